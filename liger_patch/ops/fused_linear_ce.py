@@ -1,0 +1,302 @@
+"""``fused_linear_cross_entropy``: the public op, its autograd.Function and backend dispatch.
+
+Gradient strategy. With reduction "mean"/"sum" the upstream gradient is one scalar, so the
+forward computes the gradients at scale 1 while the logits chunk is hot, and the backward only
+multiplies them by that scalar: three GEMMs per chunk in total. This is skipped for fp16 (a
+GradScaler's factor must be applied before rounding to fp16, or small gradients underflow) and
+whenever the backward needs something else (a gradient arriving through ``z_loss``, or a second
+backward over a retained graph); then the backward recomputes the logits with exact per-row
+coefficients, which is also the path for reduction "none".
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from liger_patch import env
+from liger_patch.ops import validation
+from liger_patch.ops.chunked import RowKernel, run_chunks
+from liger_patch.ops.options import LossOptions
+from liger_patch.ops.torch_ce import ce_rows_torch
+
+DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
+"""Byte budget of the fp32 logits chunk (rows per chunk = budget / (4 * V))."""
+
+Reduction = Literal["mean", "sum", "none"]
+Backend = Literal["auto", "triton", "torch"]
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that runs: "auto" takes Triton on CUDA or under TRITON_INTERPRET=1, else torch."""
+    usable = device.type == "cuda" or env.triton_interpret()
+    if backend == "auto":
+        return "triton" if usable and _triton_available() else "torch"
+    if backend == "triton":
+        if not _triton_available():
+            raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
+        if not usable:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for tensors on {device.type}; "
+                "use backend='torch' or 'auto'"
+            )
+    return backend
+
+
+def _row_kernel(backend: str) -> RowKernel:
+    if backend == "triton":
+        from liger_patch.ops.triton_ce import ce_rows_triton
+
+        return ce_rows_triton
+    return ce_rows_torch
+
+
+def _divisor(reduction: str, keep: torch.Tensor, num_items_in_batch: object) -> torch.Tensor | float:
+    """What the summed loss is divided by. A zero divisor can only be right when nothing is kept
+    (the sum is then 0), so it is replaced by 1: the loss is exactly 0, never NaN."""
+    if reduction != "mean":
+        return 1.0
+    if num_items_in_batch is None:
+        return keep.sum().clamp_min(1).float()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        den = num_items_in_batch.to(device=keep.device, dtype=torch.float32).reshape(())
+        return torch.where(den == 0, torch.ones_like(den), den)
+    return float(num_items_in_batch) or 1.0
+
+
+def _reduce(rows: torch.Tensor, reduction: str, divisor: torch.Tensor | float) -> torch.Tensor:
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else total / divisor
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, row_weight, divisor, opts, reduction, backend, budget):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        kernel = _row_kernel(backend)
+        # Gradients in the forward, at scale 1, where one scalar will scale them (see module doc).
+        precompute = reduction != "none" and hidden.dtype != torch.float16
+        coef = row_weight if precompute else None
+        res = run_chunks(
+            kernel,
+            hidden,
+            weight,
+            bias,
+            labels,
+            opts,
+            budget_bytes=budget,
+            coef_ce=coef,
+            coef_z=coef,
+            need_hidden=need_h,
+            need_weight=need_w,
+            need_bias=need_b and bias is not None,
+        )
+        z_rows = opts.z_loss_scale * res.lse.square()
+        loss = _reduce(res.ce + z_rows, reduction, divisor)
+        z_loss = _reduce(z_rows, reduction, divisor)
+
+        ctx.save_for_backward(hidden, weight, bias, labels, row_weight, res.lse)
+        ctx.pre = (res.grad_hidden, res.grad_weight, res.grad_bias) if precompute else None
+        ctx.opts, ctx.reduction, ctx.backend, ctx.budget = opts, reduction, backend, budget
+        ctx.set_materialize_grads(False)
+        return loss, z_loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_z):
+        hidden, weight, bias, labels, row_weight, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        opts = ctx.opts
+        z_grad_matters = grad_z is not None and opts.z_loss_scale != 0.0
+        if ctx.pre is not None and not z_grad_matters:
+            grads = ctx.pre
+            ctx.pre = None  # scaled in place below, so a second backward must recompute
+            scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
+            for g in grads:
+                if g is not None:
+                    g.mul_(scale)
+            return (*grads, None, None, None, None, None, None, None)
+
+        zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        g_loss = zero if grad_loss is None else grad_loss.float()
+        g_z = zero if grad_z is None else grad_z.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            res = run_chunks(
+                _row_kernel(ctx.backend),
+                hidden,
+                weight,
+                bias,
+                labels,
+                opts,
+                budget_bytes=ctx.budget,
+                coef_ce=g_loss * row_weight,
+                coef_z=(g_loss + g_z) * row_weight,
+                lse_in=lse,
+                need_hidden=need_h,
+                need_weight=need_w,
+                need_bias=need_b and bias is not None,
+            )
+        return res.grad_hidden, res.grad_weight, res.grad_bias, None, None, None, None, None, None, None
+
+
+def _autocast_inputs(hidden, weight, bias):
+    """Inside torch.autocast, cast like nn.Linear would; outside it, dtypes must already match."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    validation.check_dtypes_match(hidden, weight, bias)
+    return hidden, weight, bias
+
+
+@torch.compiler.disable
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    return_z_loss: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without building the logits.
+
+    Args:
+        hidden: (..., H) last hidden states, fp32/bf16/fp16.
+        weight: (V, H) output projection (``lm_head.weight``).
+        labels: (...) integer class ids with the leading shape of ``hidden``; ``ignore_index``
+            marks tokens that do not count.
+        bias: optional (V,) output bias.
+        reduction: "mean" over kept tokens (or over ``num_items_in_batch``), "sum", or "none"
+            (per-token losses in the leading shape, 0 at ignored tokens).
+        num_items_in_batch: divisor for "mean" (int, int tensor or float tensor), as the HF Trainer
+            passes it under gradient accumulation. 0 is allowed when nothing is kept.
+        label_smoothing, z_loss_scale, softcap, logit_scale: see docs/loss.md.
+        return_z_loss: also return the z-loss term (reduced like the loss, already inside it).
+        backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
+
+    All arithmetic is fp32; gradients come back in the input dtypes, only for inputs that require
+    them. When no token is kept the loss is exactly 0, still attached to the graph, and every input
+    that requires grad receives a zero gradient. ``torch.compile`` runs this function eagerly
+    (a graph break), which keeps its results identical to eager mode.
+    """
+    opts = LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=None if logit_scale is None else float(logit_scale),
+    )
+    validation.check_options(opts, reduction, backend, num_items_in_batch)
+    validation.check_tensors(hidden, weight, labels, bias)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    lead_shape = labels.shape
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    validation.check_label_range(flat_labels, weight.shape[0], ignore_index)
+    chosen = resolve_backend(backend, hidden.device)
+
+    keep = flat_labels != ignore_index
+    divisor = _divisor(reduction, keep, num_items_in_batch)
+    row_weight = keep.float() / divisor if reduction == "mean" else keep.float()
+
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    with torch.autocast(hidden.device.type, enabled=False):
+        if wants_grad:
+            loss, z_loss = _FusedLinearCrossEntropy.apply(
+                h2d,
+                weight,
+                bias,
+                flat_labels,
+                row_weight,
+                divisor,
+                opts,
+                reduction,
+                chosen,
+                DEFAULT_CHUNK_BYTES,
+            )
+        else:  # forward work only: no gradient buffers, no gradient pass
+            res = run_chunks(
+                _row_kernel(chosen), h2d, weight, bias, flat_labels, opts, budget_bytes=DEFAULT_CHUNK_BYTES
+            )
+            z_rows = opts.z_loss_scale * res.lse.square()
+            loss, z_loss = _reduce(res.ce + z_rows, reduction, divisor), _reduce(z_rows, reduction, divisor)
+    if reduction == "none":
+        loss, z_loss = loss.reshape(lead_shape), z_loss.reshape(lead_shape)
+    return (loss, z_loss) if return_z_loss else loss
+
+
+class FusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`; ``forward(hidden, weight, labels, bias=None)``."""
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: Reduction = "mean",
+        label_smoothing: float = 0.0,
+        z_loss_scale: float = 0.0,
+        softcap: float | None = None,
+        logit_scale: float | None = None,
+        return_z_loss: bool = False,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        self.options = dict(
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            return_z_loss=return_z_loss,
+            backend=backend,
+        )
+        validation.check_options(
+            LossOptions(
+                ignore_index,
+                float(label_smoothing),
+                float(z_loss_scale),
+                None if softcap is None else float(softcap),
+                None if logit_scale is None else float(logit_scale),
+            ),
+            reduction,
+            backend,
+            None,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: int | float | torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return fused_linear_cross_entropy(
+            hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **self.options
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -1,0 +1,200 @@
+"""Triton row kernel: loss terms and d(loss)/d(logits) for one chunk of logits, in one launch.
+
+Each program owns one row (token). Pass 1 streams the row once for an online log-sum-exp (and
+the logit sum for label smoothing); pass 2 streams it again and writes the gradient in place.
+Ignored rows skip both passes and only write zeros. All arithmetic is fp32.
+
+The kernel is compiled on first use, for the mode ``TRITON_INTERPRET`` names at that moment, so
+the same process can run it on CUDA and, under the interpreter, on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_patch import env
+from liger_patch.ops.options import LossOptions
+
+
+def _ce_rows_kernel(
+    logits_ptr,
+    grad_ptr,
+    labels_ptr,
+    coef_ce_ptr,
+    coef_z_ptr,
+    lse_in_ptr,
+    ce_ptr,
+    lse_ptr,
+    stride_logits,
+    stride_grad,
+    V,
+    ignore_index,
+    logit_scale,
+    softcap,
+    smoothing,
+    z_loss_scale,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    GRAD_ALIASES_WIDER: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    logits_row = logits_ptr + row * stride_logits
+    grad_row = grad_ptr + row * stride_grad
+    offsets = tl.arange(0, BLOCK_V)
+
+    if label == ignore_index:
+        if not HAS_LSE:
+            tl.store(ce_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                tl.store(grad_row + cols, zeros, mask=cols < V)
+    else:
+        if HAS_LSE:
+            lse = tl.load(lse_in_ptr + row)
+        else:
+            run_max = tl.zeros([], dtype=tl.float32) - float("inf")
+            run_sum = tl.zeros([], dtype=tl.float32)
+            z_total = tl.zeros([], dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                mask = cols < V
+                z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SCALE:
+                    z = z * logit_scale
+                if HAS_SOFTCAP:
+                    # tanh(u) = 2 sigmoid(2u) - 1 (tl has no portable tanh)
+                    z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
+                z = tl.where(mask, z, float("-inf"))
+                new_max = tl.maximum(run_max, tl.max(z, axis=0))
+                run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+                run_max = new_max
+                if HAS_SMOOTHING:
+                    z_total += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            lse = run_max + tl.log(run_sum)
+
+            z_label = tl.load(logits_row + label).to(tl.float32)
+            if HAS_SCALE:
+                z_label = z_label * logit_scale
+            if HAS_SOFTCAP:
+                z_label = softcap * (2.0 * tl.sigmoid(2.0 * z_label / softcap) - 1.0)
+            ce = lse - z_label
+            if HAS_SMOOTHING:
+                ce = (1.0 - smoothing) * ce + smoothing * (lse - z_total / V)
+            tl.store(ce_ptr + row, ce)
+            tl.store(lse_ptr + row, lse)
+
+        if COMPUTE_GRAD:
+            coef_ce = tl.load(coef_ce_ptr + row)
+            coef_z = tl.load(coef_z_ptr + row)
+            # d ce/dz = p - (1-eps) onehot - eps/V ; d(zs lse^2)/dz = 2 zs lse p
+            coef_p = coef_ce + 2.0 * z_loss_scale * lse * coef_z
+            at_label = coef_ce * (1.0 - smoothing)
+            flat = coef_ce * smoothing / V
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                mask = cols < V
+                z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SCALE:
+                    z = z * logit_scale
+                if HAS_SOFTCAP:
+                    t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0
+                    z = softcap * t
+                g = coef_p * tl.exp(z - lse) - flat
+                g = tl.where(cols == label, g - at_label, g)
+                if HAS_SOFTCAP:
+                    g = g * (1.0 - t * t)
+                if HAS_SCALE:
+                    g = g * logit_scale
+                if GRAD_ALIASES_WIDER:
+                    # The narrower gradient shares this row's bytes with the fp32 logits: block k's
+                    # stores land on logits of blocks <= k, so every warp must have read block k first.
+                    tl.debug_barrier()
+                tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=2)
+def _compiled_kernel(interpret: bool):
+    """The jitted kernel for the current ``TRITON_INTERPRET`` mode (Triton reads it when jitting)."""
+    del interpret  # part of the cache key only
+    return triton.jit(_ce_rows_kernel)
+
+
+def _launch_config(vocab: int, interpret: bool) -> tuple[int, int]:
+    if interpret:
+        # Small blocks keep the interpreter fast and make small test vocabularies span several blocks.
+        return min(64, max(16, triton.next_power_of_2(vocab))), 1
+    block = min(4096, max(128, triton.next_power_of_2(vocab)))
+    return block, 8 if block >= 2048 else 4
+
+
+def ce_rows_triton(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    opts: LossOptions,
+    grad: torch.Tensor | None = None,
+    coef_ce: torch.Tensor | None = None,
+    coef_z: torch.Tensor | None = None,
+    lse_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Same contract as ``torch_ce.ce_rows_torch``.
+
+    With ``lse_in`` (saved by the forward) pass 1 is skipped and ``(None, lse_in)`` is returned.
+    ``grad`` may alias ``logits`` element for element (same dtype) or byte for byte with a
+    narrower dtype (a view of the same storage with the same row start); see ``chunked``.
+    """
+    rows, vocab = logits.shape
+    if rows == 0:
+        return logits.new_zeros(0), logits.new_zeros(0)
+    interpret = env.triton_interpret()
+    block, warps = _launch_config(vocab, interpret)
+    compute_grad = grad is not None
+    has_lse = lse_in is not None
+    ce = lse = None
+    if not has_lse:
+        ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    grad_aliases_wider = (
+        compute_grad
+        and grad.element_size() < logits.element_size()
+        and grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    )
+    dummy = logits  # unused pointer arguments still need a tensor
+    _compiled_kernel(interpret)[(rows,)](
+        logits,
+        grad if compute_grad else dummy,
+        labels,
+        coef_ce if compute_grad else dummy,
+        coef_z if compute_grad else dummy,
+        lse_in if has_lse else dummy,
+        ce if ce is not None else dummy,
+        lse if lse is not None else dummy,
+        logits.stride(0),
+        grad.stride(0) if compute_grad else 0,
+        vocab,
+        opts.ignore_index,
+        opts.scale,
+        float(opts.softcap or 1.0),
+        float(opts.label_smoothing),
+        float(opts.z_loss_scale),
+        HAS_SCALE=opts.logit_scale is not None,
+        HAS_SOFTCAP=opts.softcap is not None,
+        HAS_SMOOTHING=opts.label_smoothing != 0.0,
+        HAS_LSE=has_lse,
+        COMPUTE_GRAD=compute_grad,
+        GRAD_ALIASES_WIDER=grad_aliases_wider,
+        BLOCK_V=block,
+        num_warps=warps,
+    )
+    return (None, lse_in) if has_lse else (ce, lse)

@@ -1,0 +1,117 @@
+"""Argument checks for the fused op: every bad input gets an error that names the problem."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from liger_patch.ops.options import LossOptions
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_options(opts: LossOptions, reduction: str, backend: str, num_items_in_batch: object) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if not isinstance(opts.ignore_index, int) or isinstance(opts.ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(opts.ignore_index).__name__}")
+    if not 0.0 <= opts.label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {opts.label_smoothing}")
+    if not (math.isfinite(opts.z_loss_scale) and opts.z_loss_scale >= 0.0):
+        raise ValueError(f"z_loss_scale must be finite and >= 0, got {opts.z_loss_scale}")
+    if opts.softcap is not None and not (math.isfinite(opts.softcap) and opts.softcap > 0.0):
+        raise ValueError(f"softcap must be a finite number > 0 (or None), got {opts.softcap}")
+    if opts.logit_scale is not None and not (math.isfinite(opts.logit_scale) and opts.logit_scale != 0.0):
+        raise ValueError(f"logit_scale must be a finite non-zero number (or None), got {opts.logit_scale}")
+    if num_items_in_batch is None:
+        return
+    if reduction != "mean":
+        raise ValueError(
+            f"num_items_in_batch replaces the divisor of reduction='mean'; it has no meaning with "
+            f"reduction={reduction!r}"
+        )
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(
+                "num_items_in_batch must be a scalar, got a tensor of shape "
+                f"{tuple(num_items_in_batch.shape)}"
+            )
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(
+                f"num_items_in_batch must be an int or float tensor, got {num_items_in_batch.dtype}"
+            )
+    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, float)):
+        raise TypeError(
+            f"num_items_in_batch must be an int, a float or a scalar tensor, got {num_items_in_batch!r}"
+        )
+    elif not (math.isfinite(num_items_in_batch) and num_items_in_batch >= 0):
+        raise ValueError(f"num_items_in_batch must be finite and >= 0, got {num_items_in_batch}")
+
+
+def check_tensors(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape (..., H); got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape (V, H); got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: hidden has H={hidden.shape[-1]} (shape {tuple(hidden.shape)}) but "
+            f"weight has H={weight.shape[1]} (shape {tuple(weight.shape)})"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight has V=0 rows: a cross-entropy needs at least one class")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])} (hidden is {tuple(hidden.shape)})"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},); got {tuple(bias.shape)}")
+
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor (int64 class ids), got {labels.dtype}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+    devices = {t.device for t in (hidden, weight, labels, bias) if t is not None}
+    if len(devices) > 1:
+        named = ", ".join(
+            f"{n}={t.device}"
+            for n, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias))
+            if t is not None
+        )
+        raise ValueError(f"all tensors must be on one device; got {named}")
+
+
+def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Outside autocast, hidden, weight and bias must share one dtype (as nn.Linear requires)."""
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        bias_part = "" if bias is None else f", bias is {bias.dtype}"
+        raise TypeError(
+            f"dtype mismatch: hidden is {hidden.dtype}, weight is {weight.dtype}{bias_part}. Cast them to "
+            "one dtype, or call inside torch.autocast, which casts all of them to the autocast dtype."
+        )
+
+
+def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise IndexError for a label outside [0, V) that is not ignore_index (one host sync on CUDA)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if not bool(bad.any()):
+        return
+    position = int(bad.nonzero()[0, 0])
+    value = int(labels[position])
+    raise IndexError(
+        f"label {value} at flat position {position} is outside [0, {vocab}) and is not "
+        f"ignore_index={ignore_index}"
+    )
