@@ -150,6 +150,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return res.grad_hidden, res.grad_weight, res.grad_bias, None, None, None, None, None, None, None
 
 
+def _loss_options(
+    ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, **_ignored
+) -> LossOptions:
+    return LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=None if logit_scale is None else float(logit_scale),
+    )
+
+
 def _autocast_inputs(hidden, weight, bias):
     """Inside torch.autocast, cast like nn.Linear would; outside it, dtypes must already match."""
     device_type = hidden.device.type
@@ -198,13 +210,7 @@ def fused_linear_cross_entropy(
     that requires grad receives a zero gradient. ``torch.compile`` runs this function eagerly
     (a graph break), which keeps its results identical to eager mode.
     """
-    opts = LossOptions(
-        ignore_index=ignore_index,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=None if logit_scale is None else float(logit_scale),
-    )
+    opts = _loss_options(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale)
     validation.check_options(opts, reduction, backend, num_items_in_batch)
     validation.check_tensors(hidden, weight, labels, bias)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
@@ -247,13 +253,19 @@ def fused_linear_cross_entropy(
 
 
 class FusedLinearCrossEntropyLoss(torch.nn.Module):
-    """Module form of :func:`fused_linear_cross_entropy`; ``forward(hidden, weight, labels, bias=None)``."""
+    """Module form of :func:`fused_linear_cross_entropy`, taking the same options.
+
+    ``forward(hidden, weight, labels, bias=None, *, num_items_in_batch=None)``; a
+    ``num_items_in_batch`` given to ``forward`` overrides the one given to the constructor (it
+    usually changes every step).
+    """
 
     def __init__(
         self,
         *,
         ignore_index: int = -100,
         reduction: Reduction = "mean",
+        num_items_in_batch: int | float | torch.Tensor | None = None,
         label_smoothing: float = 0.0,
         z_loss_scale: float = 0.0,
         softcap: float | None = None,
@@ -262,6 +274,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         backend: Backend = "auto",
     ) -> None:
         super().__init__()
+        self.num_items_in_batch = num_items_in_batch
         self.options = dict(
             ignore_index=ignore_index,
             reduction=reduction,
@@ -272,18 +285,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             return_z_loss=return_z_loss,
             backend=backend,
         )
-        validation.check_options(
-            LossOptions(
-                ignore_index,
-                float(label_smoothing),
-                float(z_loss_scale),
-                None if softcap is None else float(softcap),
-                None if logit_scale is None else float(logit_scale),
-            ),
-            reduction,
-            backend,
-            None,
-        )
+        validation.check_options(_loss_options(**self.options), reduction, backend, num_items_in_batch)
 
     def forward(
         self,
@@ -294,6 +296,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         *,
         num_items_in_batch: int | float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if num_items_in_batch is None:
+            num_items_in_batch = self.num_items_in_batch
         return fused_linear_cross_entropy(
             hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **self.options
         )

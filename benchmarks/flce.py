@@ -1,0 +1,236 @@
+"""Fused linear cross-entropy, fwd+bwd, side by side on one GPU, as ratios to the three-GEMM floor.
+
+The floor is what any exact method must do: logits = h W^T, grad_h = G W and grad_W = G^T h,
+timed through cuBLAS in the same run. Every implementation is timed with
+``triton.testing.do_bench`` (median) on the same random bf16 inputs, and its extra peak memory
+(beyond the inputs and their gradients) is read from the CUDA allocator.
+
+    python benchmarks/flce.py                        # the issue-2 shape, ours vs torch eager
+    python benchmarks/flce.py --impls all --shapes all --out docs/flce.json
+
+Peers (liger-kernel, cut-cross-entropy) are used when importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "8192x4096x128256": (8192, 4096, 128256),
+    "16384x4096x128256": (16384, 4096, 128256),
+    "8192x2304x256000": (8192, 2304, 256000),
+    "32768x4096x151936": (32768, 4096, 151936),
+}
+MiB = 1024 * 1024
+
+
+def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, ignore_frac: float, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", dtype=dtype, generator=gen)
+    weight = (torch.randn(v, h, device="cuda", dtype=dtype, generator=gen) / math.sqrt(h)).to(dtype)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    if ignore_frac:
+        drop = torch.rand(n, device="cuda", generator=gen) < ignore_frac
+        labels[drop] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def torch_eager(hidden, weight, labels):
+    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100)
+
+
+def ours(hidden, weight, labels):
+    from liger_patch import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def ours_without_label_check(hidden, weight, labels):
+    """Ours with the label range check (its one host sync) switched off, to price that sync."""
+    from liger_patch.ops import fused_linear_ce, validation
+
+    saved = validation.check_label_range
+    validation.check_label_range = lambda *a, **k: None
+    try:
+        return fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels)
+    finally:
+        validation.check_label_range = saved
+
+
+_compiled = None
+
+
+def torch_compile(hidden, weight, labels):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(torch_eager)
+    return _compiled(hidden, weight, labels)
+
+
+def liger_kernel(hidden, weight, labels):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=-100)
+
+
+def cut_cross_entropy(hidden, weight, labels):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, labels, ignore_index=-100)
+
+
+IMPLS: dict[str, Callable] = {
+    "ours": ours,
+    "ours_no_label_check": ours_without_label_check,
+    "torch_eager": torch_eager,
+    "torch_compile": torch_compile,
+    "liger_kernel": liger_kernel,
+    "cut_cross_entropy": cut_cross_entropy,
+}
+
+
+def floor_fn(hidden, weight, grad_logits):
+    """The three GEMMs an exact method cannot avoid."""
+    logits = hidden @ weight.t()
+    grad_h = grad_logits @ weight
+    grad_w = grad_logits.t() @ hidden
+    return logits, grad_h, grad_w
+
+
+def fwd_bwd(fn, hidden, weight, labels):
+    hidden.grad = weight.grad = None
+    loss = fn(hidden, weight, labels)
+    loss.backward()
+    return loss
+
+
+def measure_memory(fn, hidden, weight, labels) -> float:
+    """Peak bytes allocated during fwd+bwd beyond the inputs and their gradients, in MiB."""
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn, hidden, weight, labels)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+    hidden.grad = weight.grad = None
+    return (peak - base - grads) / MiB
+
+
+def check_against_fp64(fn, n: int, h: int, v: int) -> float:
+    """Relative error of loss and grads against fp64, on a slice small enough for an fp64 reference."""
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.3, seed=1)
+    fwd_bwd(fn, hidden, weight, labels)
+    hr = hidden.detach().double().requires_grad_()
+    wr = weight.detach().double().requires_grad_()
+    ref = F.cross_entropy(hr @ wr.t(), labels, ignore_index=-100)
+    ref.backward()
+    loss = fn(hidden.detach(), weight.detach(), labels)
+    errs = [
+        float((loss.double() - ref).abs() / ref.abs()),
+        float((hidden.grad.double() - hr.grad).norm() / hr.grad.norm()),
+        float((weight.grad.double() - wr.grad).norm() / wr.grad.norm()),
+    ]
+    return max(errs)
+
+
+def bench_shape(name: str, impl_names: list[str], ignore_frac: float, rep_ms: int) -> dict:
+    import triton.testing
+
+    n, h, v = SHAPES[name]
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac)
+    row: dict = {"shape": name, "N": n, "H": h, "V": v, "dtype": "bfloat16", "ignore_frac": ignore_frac}
+
+    grad_logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 1e-4
+    floor_ms = triton.testing.do_bench(
+        lambda: floor_fn(hidden.detach(), weight.detach(), grad_logits), rep=rep_ms, return_mode="median"
+    )
+    del grad_logits
+    torch.cuda.empty_cache()
+    flops = 3 * 2 * n * h * v
+    row["floor_ms"] = floor_ms
+    row["floor_tflops"] = flops / floor_ms / 1e9
+    row["impls"] = {}
+    for impl in impl_names:
+        fn = IMPLS[impl]
+        try:
+            fwd_bwd(fn, hidden, weight, labels)  # warm-up / compile
+            ms = triton.testing.do_bench(
+                lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep=rep_ms, return_mode="median"
+            )
+            mem = measure_memory(fn, hidden, weight, labels)
+            err = check_against_fp64(fn, 1024, 512, 8191)
+            row["impls"][impl] = {"ms": ms, "x_floor": ms / floor_ms, "extra_mib": mem, "max_rel_err": err}
+        except (ImportError, torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            row["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        hidden.grad = weight.grad = None
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    impls = list(dict.fromkeys(k for r in rows for k in r["impls"]))
+    head = "| N, H, V | floor ms | " + " | ".join(impls) + " |"
+    sep = "|---" * (len(impls) + 2) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for k in impls:
+            c = r["impls"].get(k, {})
+            if "ms" in c:
+                cells.append(f"{c['ms']:.1f} ({c['x_floor']:.2f}x) {c['extra_mib']:.0f} MiB")
+            else:
+                cells.append(c.get("error", "-")[:40])
+        lines.append(f"| {r['N']}, {r['H']}, {r['V']} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8192x4096x128256", help="comma list of " + ", ".join(SHAPES))
+    parser.add_argument("--impls", default="ours,ours_no_label_check,torch_eager", help="comma list or 'all'")
+    parser.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")
+    parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
+    parser.add_argument("--out", default=None, help="write JSON here (a .md table is written beside it)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/flce.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
+
+    import triton
+
+    rows = [bench_shape(s, impls, args.ignore_frac, args.rep_ms) for s in shapes]
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "method": "fwd+bwd, triton.testing.do_bench median; floor = 3 cuBLAS GEMMs; "
+        "extra = peak allocated minus inputs and their grads",
+        "rows": rows,
+    }
+    table = markdown(rows)
+    print(json.dumps(result, indent=1))
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
