@@ -1,0 +1,70 @@
+"""Shared fixtures.
+
+Without CUDA the Triton backend can only run under the Triton interpreter, and
+TRITON_INTERPRET must be in the environment before Triton (hence liger_patch) is imported.
+Importing torch and pytest does not import Triton, so setting it here is early enough; the
+op package itself is imported lazily below and by the test modules.
+"""
+
+import importlib
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _matmul_precision() -> str:
+    return (
+        f"float32 matmul precision {torch.get_float32_matmul_precision()!r}, "
+        f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+        f"NVIDIA_TF32_OVERRIDE={os.environ.get('NVIDIA_TF32_OVERRIDE')}, "
+        f"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE={os.environ.get('TORCH_ALLOW_TF32_CUBLAS_OVERRIDE')}"
+    )
+
+
+def pytest_report_header(config):
+    return f"liger_patch tests: {_matmul_precision()}"
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32_matmuls():
+    """fp32 tolerances (1e-5) assume IEEE fp32 GEMMs; TF32 (some images and libraries switch it
+    on globally) would add ~1e-4. Pinned per test, since any import may flip it."""
+    if HAS_CUDA:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    yield
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the test id: every test (and parameter set) gets its own,
+    reproducible stream."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def chunk_rows(monkeypatch):
+    """chunk_rows(rows, V): shrink the op's chunk byte budget to `rows` fp32 logit rows of
+    width V, so that small inputs run through several chunks (and a remainder chunk).
+    chunk_rows(None, V) makes the budget huge: everything in one chunk."""
+    mod = importlib.import_module("liger_patch.ops.fused_linear_ce")
+    assert isinstance(mod.DEFAULT_CHUNK_BYTES, int)
+
+    def set_rows(rows, V):
+        value = (1 << 34) if rows is None else 4 * V * rows
+        monkeypatch.setattr(mod, "DEFAULT_CHUNK_BYTES", value)
+
+    return set_rows

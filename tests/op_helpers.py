@@ -1,0 +1,214 @@
+"""Inputs, calls and comparisons shared by the op tests (tests/test_op_*.py).
+
+Every case is built from a seeded torch.Generator (never zeros), in fp32, then rounded to the
+dtype under test; the fp64 reference sees exactly the rounded values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from reference import reference_flce
+
+import liger_patch as lp
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative tolerance (also used as a fraction of the largest reference value for atol).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+TENSOR_NAMES = ("hidden", "weight", "bias")
+IGNORE_PATTERNS = [
+    "none",
+    "first",
+    "last",
+    "first_and_last",
+    "all_but_one",
+    "only_first_kept",
+    "only_last_kept",
+    "runs",
+    "every_other",
+    "half",
+]
+
+
+def ignore_mask(pattern: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Bool mask of the token positions to ignore (over the flattened tokens)."""
+    m = torch.zeros(n, dtype=torch.bool)
+    if n == 0 or pattern == "none":
+        return m
+    if pattern == "first":
+        m[0] = True
+    elif pattern == "last":
+        m[-1] = True
+    elif pattern == "first_and_last":
+        m[0] = m[-1] = True
+    elif pattern == "all":
+        m[:] = True
+    elif pattern == "all_but_one":
+        m[:] = True
+        m[int(torch.randint(1, max(n - 1, 2), (1,), generator=gen)) % n] = False
+    elif pattern == "only_first_kept":
+        m[1:] = True
+    elif pattern == "only_last_kept":
+        m[:-1] = True
+    elif pattern == "runs":  # runs of different lengths, one touching each end
+        for start, length in ((0, 3), (5, 1), (9, 6), (n - 4, 4)):
+            m[max(start, 0) : max(start + length, 0)] = True
+    elif pattern == "every_other":
+        m[::2] = True
+    elif pattern == "half":
+        m = torch.rand(n, generator=gen) < 0.5
+    elif pattern == "mixed":  # first, last, a run in the middle, ~20% at random
+        m = torch.rand(n, generator=gen) < 0.2
+        m[0] = m[-1] = True
+        m[n // 3 : n // 3 + 4] = True
+        if bool(m.all()):
+            m[n // 2] = False
+    else:
+        raise ValueError(pattern)
+    return m
+
+
+@dataclasses.dataclass
+class Case:
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: torch.Tensor
+    bias: torch.Tensor | None
+    ignore_index: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"hidden": self.hidden, "weight": self.weight}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
+
+    def grad_leaves(self) -> dict[str, torch.Tensor]:
+        return {k: t for k, t in self.tensors().items() if t.requires_grad}
+
+    @property
+    def n_kept(self) -> int:
+        return int((self.labels != self.ignore_index).sum())
+
+
+def make_case(
+    gen: torch.Generator,
+    lead: tuple[int, ...],
+    H: int,
+    V: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    bias: bool = False,
+    ignore: str = "mixed",
+    ignore_index: int = -100,
+    requires_grad=TENSOR_NAMES,
+    logit_std: float = 2.0,
+) -> Case:
+    n = math.prod(lead)
+    hidden = torch.randn(n, H, generator=gen).reshape(*lead, H)
+    weight = torch.randn(V, H, generator=gen) * (logit_std / math.sqrt(H))
+    b = torch.randn(V, generator=gen) * 0.5 if bias else None
+    labels = torch.randint(0, V, (n,), generator=gen)
+    labels[ignore_mask(ignore, n, gen)] = ignore_index
+    labels = labels.reshape(lead)
+
+    def prep(t, name):
+        t = t.to(dtype).to(device)
+        return t.requires_grad_(name in requires_grad)
+
+    return Case(
+        hidden=prep(hidden, "hidden"),
+        weight=prep(weight, "weight"),
+        labels=labels.to(device),
+        bias=None if b is None else prep(b, "bias"),
+        ignore_index=ignore_index,
+    )
+
+
+def call_op(case: Case, **opts):
+    opts.setdefault("ignore_index", case.ignore_index)
+    return lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels, case.bias, **opts)
+
+
+def call_raw(hidden, weight, labels, bias=None, **opts):
+    return lp.fused_linear_cross_entropy(hidden, weight, labels, bias, **opts)
+
+
+def reference_for(case: Case, **opts):
+    """fp64 reference on CPU. Returns (loss, z_loss, leaves) where leaves mirror requires_grad."""
+    opts.pop("return_z_loss", None)
+    opts.pop("backend", None)
+    opts.setdefault("ignore_index", case.ignore_index)
+    leaves = {
+        k: t.detach().cpu().to(torch.float64).requires_grad_(t.requires_grad)
+        for k, t in case.tensors().items()
+    }
+    loss, z = reference_flce(
+        leaves["hidden"], leaves["weight"], case.labels.cpu(), leaves.get("bias"), **opts
+    )
+    return loss, z, leaves
+
+
+def upstream_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random upstream gradient: a scalar in [0.5, 1.5) for scalars, N(0,1) otherwise."""
+    if t.dim() == 0:
+        return 0.5 + torch.rand((), generator=gen, dtype=torch.float64)
+    return torch.randn(t.shape, generator=gen, dtype=torch.float64)
+
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    assert actual is not None, f"{name}: got None"
+    a = actual.detach().cpu().to(torch.float64)
+    e = expected.detach().cpu().to(torch.float64)
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != reference {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    scale = float(e.abs().max()) if e.numel() else 0.0
+    atol = tol * max(scale, 1e-6)
+    torch.testing.assert_close(a, e, rtol=tol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def check_parity(case: Case, gen: torch.Generator, *, tol: float, z_weight=None, **opts) -> None:
+    """Forward + backward through the op with random upstream gradients and compare values and
+    gradients of every input that requires grad with the fp64 reference.
+
+    z_weight: when return_z_loss=True, also backprop z_loss with this upstream (None: random)."""
+    out = call_op(case, **opts)
+    if opts.get("return_z_loss"):
+        assert isinstance(out, tuple) and len(out) == 2, "return_z_loss=True must return (loss, z_loss)"
+        loss, z = out
+    else:
+        assert isinstance(out, torch.Tensor), "return_z_loss=False must return a tensor"
+        loss, z = out, None
+
+    ref_loss, ref_z, leaves = reference_for(case, **opts)
+    assert_close("loss", loss, ref_loss, tol)
+    if z is not None:
+        assert_close("z_loss", z, ref_z, tol)
+
+    g = upstream_like(ref_loss, gen)
+    ref_obj = (ref_loss * g).sum()
+    obj = (loss * g.to(loss.device, loss.dtype)).sum()
+    if z is not None:
+        gz = (
+            upstream_like(ref_z, gen)
+            if z_weight is None
+            else torch.tensor(float(z_weight), dtype=torch.float64)
+        )
+        ref_obj = ref_obj + (ref_z * gz).sum()
+        obj = obj + (z * gz.to(z.device, z.dtype)).sum()
+
+    grad_leaves = case.grad_leaves()
+    if not grad_leaves:
+        return
+    obj.backward()
+    ref_grads = torch.autograd.grad(ref_obj, [leaves[k] for k in grad_leaves], allow_unused=True)
+    for (name, t), rg in zip(grad_leaves.items(), ref_grads, strict=True):
+        assert t.grad is not None, f"grad of {name} is None"
+        assert t.grad.dtype == t.dtype, f"grad of {name} has dtype {t.grad.dtype}, input {t.dtype}"
+        if rg is None:
+            rg = torch.zeros_like(leaves[name])
+        assert_close(f"grad {name}", t.grad, rg, tol)
