@@ -14,6 +14,7 @@ Peers (liger-kernel, cut-cross-entropy) are used when importable.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -105,6 +106,18 @@ def floor_fn(hidden, weight, grad_logits):
     return logits, grad_h, grad_w
 
 
+def time_floor(hidden, weight, rep_ms: int) -> float:
+    """Median ms of the three GEMMs on random gradient logits (freed afterwards)."""
+    import triton.testing
+
+    grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device="cuda", dtype=hidden.dtype) * 1e-4
+    ms = triton.testing.do_bench(
+        functools.partial(floor_fn, hidden, weight, grad_logits), rep=rep_ms, return_mode="median"
+    )
+    torch.cuda.empty_cache()
+    return ms
+
+
 def fwd_bwd(fn, hidden, weight, labels):
     hidden.grad = weight.grad = None
     loss = fn(hidden, weight, labels)
@@ -151,12 +164,7 @@ def bench_shape(name: str, impl_names: list[str], ignore_frac: float, rep_ms: in
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac)
     row: dict = {"shape": name, "N": n, "H": h, "V": v, "dtype": "bfloat16", "ignore_frac": ignore_frac}
 
-    grad_logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 1e-4
-    floor_ms = triton.testing.do_bench(
-        lambda: floor_fn(hidden.detach(), weight.detach(), grad_logits), rep=rep_ms, return_mode="median"
-    )
-    del grad_logits
-    torch.cuda.empty_cache()
+    floor_ms = time_floor(hidden.detach(), weight.detach(), rep_ms)
     flops = 3 * 2 * n * h * v
     row["floor_ms"] = floor_ms
     row["floor_tflops"] = flops / floor_ms / 1e9
@@ -196,7 +204,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="8192x4096x128256", help="comma list of " + ", ".join(SHAPES))
     parser.add_argument("--impls", default="ours,ours_no_label_check,torch_eager", help="comma list or 'all'")
     parser.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")

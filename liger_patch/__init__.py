@@ -1,11 +1,41 @@
 """liger_patch: fused linear cross-entropy for HuggingFace causal LMs, applied in one line."""
 
+from typing import Any
+
 from liger_patch.ops import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from liger_patch.patching import (
+    ModelSpec,
+    UnsupportedModelError,
+    apply_liger_to,
+    liger_patched,
+    register_model,
+    revert_liger,
+    supported_models,
+)
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> Any:
+    # The Trainer callback pulls in transformers' Trainer stack (seconds of imports): load it only
+    # when it is asked for.
+    if name == "LigerPatchCallback":
+        from liger_patch.integrations import LigerPatchCallback
+
+        return LigerPatchCallback
+    raise AttributeError(f"module 'liger_patch' has no attribute {name!r}")
+
+
 __all__ = [
     "FusedLinearCrossEntropyLoss",
+    "LigerPatchCallback",
+    "ModelSpec",
+    "UnsupportedModelError",
     "__version__",
+    "apply_liger_to",
     "fused_linear_cross_entropy",
+    "liger_patched",
+    "register_model",
+    "revert_liger",
+    "supported_models",
 ]

@@ -1,0 +1,191 @@
+"""The generic forward's call handling: the paths it picks and the HF arguments it honours."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import liger_patch as lp
+from tests.patching_helpers import device_and_dtype, make_batch, tiny_model
+
+TOL = 1e-5 if device_and_dtype()[1] == torch.float32 else 2e-2
+
+
+def close(a, b, tol=TOL):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def pair():
+    """(unpatched, patched) copies of one tiny Llama."""
+    reference = tiny_model("llama")
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    return reference, patched
+
+
+def test_signature_is_kept(pair):
+    reference, patched = pair
+    assert inspect.signature(patched.forward) == inspect.signature(reference.forward)
+    kinds = [p.kind for p in inspect.signature(patched.forward).parameters.values()]
+    assert inspect.Parameter.VAR_KEYWORD in kinds  # the Trainer passes num_items_in_batch only then
+
+
+@pytest.mark.parametrize(
+    "num_items", [7, torch.tensor(7), torch.tensor(7.0), torch.tensor(7, dtype=torch.int32)], ids=str
+)
+def test_num_items_in_batch_forms(pair, num_items):
+    reference, patched = pair
+    batch = make_batch()
+    close(
+        patched(**batch, num_items_in_batch=num_items).loss,
+        reference(**batch, num_items_in_batch=num_items).loss,
+    )
+
+
+def test_shift_labels_are_used_as_given(pair):
+    reference, patched = pair
+    batch = make_batch()
+    shift_labels = torch.roll(batch["labels"], -2, dims=1)
+    expected = reference(**batch, shift_labels=shift_labels).loss
+    close(patched(**batch, shift_labels=shift_labels).loss, expected)
+
+
+def test_logits_to_keep_with_matching_shift_labels(pair):
+    reference, patched = pair
+    batch = make_batch()
+    shift_labels = batch["labels"][:, -4:].contiguous()
+    expected = reference(**batch, logits_to_keep=4, shift_labels=shift_labels).loss
+    close(patched(**batch, logits_to_keep=4, shift_labels=shift_labels).loss, expected)
+
+
+def test_return_dict_false_gives_the_tuple(pair):
+    reference, patched = pair
+    batch = make_batch()
+    out = patched(**batch, return_dict=False)
+    assert isinstance(out, tuple)
+    close(out[0], reference(**batch).loss)
+
+
+def test_positional_arguments(pair):
+    reference, patched = pair
+    batch = make_batch()
+    out = patched(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+    assert out.logits is None
+    close(out.loss, reference(**batch).loss)
+
+
+def test_eval_mode_runs_the_original(pair):
+    reference, patched = pair
+    reference.eval(), patched.eval()
+    batch = make_batch()
+    with torch.no_grad():
+        out, ref = patched(**batch), reference(**batch)
+    assert out.logits is not None
+    close(out.logits, ref.logits)
+    close(out.loss, ref.loss)
+
+
+def test_no_labels_in_training_returns_logits(pair):
+    reference, patched = pair
+    batch = make_batch()
+    del batch["labels"]
+    out = patched(**batch)
+    assert out.loss is None
+    close(out.logits, reference(**batch).logits)
+
+
+def test_skip_logits_flag(pair):
+    reference, patched = pair
+    batch = make_batch()
+    patched.eval()
+    out = patched(**batch, skip_logits=True)  # HF Trainer's prediction step with use_liger_kernel
+    assert out.logits is None
+    close(out.loss, reference(**batch).loss)
+    patched.train()
+    out = patched(**batch, skip_logits=False)
+    assert out.logits is not None
+    with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+        patched(input_ids=batch["input_ids"], skip_logits=True)
+
+
+def test_return_logits_env_flag_gives_real_logits_and_same_loss(pair, monkeypatch):
+    reference, patched = pair
+    batch = make_batch()
+    fused = patched(**batch).loss
+    monkeypatch.setenv("LIGER_RETURN_LOGITS", "1")
+    out = patched(**batch)
+    ref = reference(**batch)
+    assert out.logits is not None
+    close(out.logits, ref.logits)
+    close(out.loss, fused, tol=0)  # the very same fused loss
+    close(out.loss, ref.loss)
+    monkeypatch.setenv("LIGER_RETURN_LOGITS", "0")  # read on every call
+    assert patched(**batch).logits is None
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "cohere", "phi"])
+def test_return_logits_env_flag_reproduces_head_math(model_type, monkeypatch):
+    reference = tiny_model(model_type)
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    monkeypatch.setenv("LIGER_RETURN_LOGITS", "1")
+    batch = make_batch()
+    out, ref = patched(**batch), reference(**batch)
+    close(out.logits, ref.logits)
+    close(out.loss, ref.loss)
+
+
+def test_all_ignored_batch_gives_zero_loss_and_zero_grads(pair):
+    _, patched = pair
+    batch = make_batch()
+    batch["labels"].fill_(-100)
+    out = patched(**batch)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert patched.lm_head.weight.grad is not None
+    assert torch.count_nonzero(patched.lm_head.weight.grad) == 0
+
+
+def test_generate_is_unchanged(pair):
+    reference, patched = pair
+    prompt = make_batch()["input_ids"][:1, :5]
+    for model in (reference, patched):
+        model.eval()
+        model.generation_config.pad_token_id = 0
+    kwargs = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(patched.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+    patched.train(), reference.train()  # generate in train mode has no labels: original path too
+    assert torch.equal(patched.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+def test_z_loss_attribute(pair):
+    _, patched = pair
+    batch = make_batch()
+    assert patched(**batch).z_loss is None
+    lp.apply_liger_to(patched, z_loss_scale=1e-3)
+    out = patched(**batch)
+    assert out.z_loss is not None and out.z_loss.item() > 0
+    assert "z_loss" not in out  # an attribute: tuples and the Trainer's logits stay as HF's
+
+
+def test_labels_that_do_not_cover_the_positions_are_rejected(pair):
+    _, patched = pair
+    batch = make_batch()
+    with pytest.raises(ValueError, match="labels"):
+        patched(**batch, logits_to_keep=4)  # 4 kept positions, 12 labels
+
+
+def test_bad_labels_are_rejected(pair):
+    _, patched = pair
+    batch = make_batch()
+    batch["labels"] = batch["labels"].float()
+    with pytest.raises((TypeError, ValueError)):
+        patched(**batch)
+    batch = make_batch()
+    batch["labels"][0, 5] = 10_000  # outside the vocabulary
+    with pytest.raises((IndexError, ValueError)):
+        patched(**batch)
