@@ -37,7 +37,7 @@ def test_compiled_patched_model_equals_eager():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_patched_model_equals_eager_fullgraph_bf16():
+def test_compiled_patched_moe_model_equals_eager_bf16():
     torch._dynamo.reset()
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
     lp.apply_liger_to(model)
