@@ -66,6 +66,18 @@ def ours_without_label_check(hidden, weight, labels):
         validation.check_label_range = saved
 
 
+def ours_input_dtype_logits(hidden, weight, labels):
+    """Ours with logits chunks stored in the input dtype (opt-in; see docs/perf-notes.md)."""
+    from liger_patch.ops import fused_linear_ce
+
+    saved = fused_linear_ce.LOGITS_IN_INPUT_DTYPE
+    fused_linear_ce.LOGITS_IN_INPUT_DTYPE = True
+    try:
+        return fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels)
+    finally:
+        fused_linear_ce.LOGITS_IN_INPUT_DTYPE = saved
+
+
 _compiled = None
 
 
@@ -91,6 +103,7 @@ def cut_cross_entropy(hidden, weight, labels):
 IMPLS: dict[str, Callable] = {
     "ours": ours,
     "ours_no_label_check": ours_without_label_check,
+    "ours_input_dtype_logits": ours_input_dtype_logits,
     "torch_eager": torch_eager,
     "torch_compile": torch_compile,
     "liger_kernel": liger_kernel,
@@ -221,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    rows = [bench_shape(s, impls, args.ignore_frac, args.rep_ms) for s in shapes]
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -229,16 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "method": "fwd+bwd, triton.testing.do_bench median; floor = 3 cuBLAS GEMMs; "
         "extra = peak allocated minus inputs and their grads",
-        "rows": rows,
+        "rows": [],
     }
-    table = markdown(rows)
-    print(json.dumps(result, indent=1))
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n")
+    for shape in shapes:  # results are written after every shape, so a cut-off run keeps them
+        result["rows"].append(bench_shape(shape, impls, args.ignore_frac, args.rep_ms))
+        table = markdown(result["rows"])
+        print(table, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
+                f.write(
+                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n"
+                )
     return 0
 
 

@@ -16,12 +16,13 @@ import pytest
 
 pytest.importorskip("triton")
 
-# (grad dtype, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_LSE, COMPUTE_GRAD)
+# (logits dtype, grad dtype, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_LSE, COMPUTE_GRAD)
 VARIANTS = [
-    ("*fp32", False, False, False, False, False),
-    ("*bf16", True, True, True, False, True),
-    ("*fp16", False, True, False, True, True),
-    ("*fp32", True, False, True, True, True),
+    ("*fp32", "*fp32", False, False, False, False, False),
+    ("*fp32", "*bf16", True, True, True, False, True),
+    ("*fp32", "*fp16", False, True, False, True, True),
+    ("*fp32", "*fp32", True, False, True, True, True),
+    ("*bf16", "*bf16", True, True, True, False, True),
 ]
 
 COMPILE_SCRIPT = r"""
@@ -38,15 +39,16 @@ scalars = {"stride_logits": "i64", "stride_grad": "i64", "V": "i32", "ignore_ind
 flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "COMPUTE_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
 report = []
-for grad_dtype, *flags in json.loads(sys.argv[1]):
+for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in pointers}
-    signature.update(grad_ptr=grad_dtype, labels_ptr="*i64", **scalars)
-    constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=grad_dtype != "*fp32", BLOCK_V=4096)
+    signature.update(logits_ptr=logits_dtype, grad_ptr=grad_dtype, labels_ptr="*i64", **scalars)
+    wider = logits_dtype == "*fp32" and grad_dtype != "*fp32"
+    constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, BLOCK_V=8192)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
 print(json.dumps(report))

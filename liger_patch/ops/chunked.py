@@ -31,9 +31,9 @@ class ChunkResult:
     grad_bias: torch.Tensor | None
 
 
-def chunk_rows(vocab: int, budget_bytes: int) -> int:
-    """Rows per chunk so that the fp32 logits chunk fits ``budget_bytes``."""
-    rows = max(1, budget_bytes // (4 * max(vocab, 1)))
+def chunk_rows(vocab: int, budget_bytes: int, element_bytes: int = 4) -> int:
+    """Rows per chunk so that the logits chunk fits ``budget_bytes``."""
+    rows = max(1, budget_bytes // (element_bytes * max(vocab, 1)))
     return rows - rows % 128 if rows >= 256 else rows
 
 
@@ -53,8 +53,15 @@ def _has_out_dtype_mm(device_type: str) -> bool:
         return False
 
 
-def _logits_fp32(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if h.dtype == torch.float32:
+def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``h w^T + b`` (bias in fp32) stored in ``dtype``.
+
+    The GEMM always accumulates in fp32; ``dtype`` only decides how the chunk is stored: fp32, or
+    rounded once to the input's half dtype, as an unpatched half-precision head stores it.
+    """
+    if h.dtype == dtype:  # CUDA, half logits: the GEMM rounds on store
+        return h @ w.t() if bias is None else torch.addmm(bias.to(dtype), h, w.t())
+    if h.dtype == torch.float32:  # fp32 inputs, or the CPU, which runs its GEMMs in fp32
         out = h @ w.t()
     elif _has_out_dtype_mm(h.device.type):
         out = torch.mm(h, w.t(), out_dtype=torch.float32)
@@ -62,25 +69,34 @@ def _logits_fp32(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
         out = (h @ w.t()).float()
     if bias is not None:
         out += bias
-    return out
+    return out.to(dtype)
 
 
-def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """``acc (+)= g^T h``; ``first`` overwrites instead of adding (no zero-fill needed)."""
     if g.dtype == acc.dtype:
-        acc.addmm_(g.t(), h)
-    elif _has_out_dtype_mm(g.device.type):
+        if first:
+            torch.mm(g.t(), h, out=acc)
+        else:
+            acc.addmm_(g.t(), h)
+    elif acc.dtype == torch.float32 and _has_out_dtype_mm(g.device.type):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
+    elif first:
+        acc.copy_(g.t() @ h)
     else:
         acc.add_(g.t() @ h)
 
 
 def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """d(loss)/d(logits) stored in the logits' own bytes: the same elements when the dtype is
-    fp32, else a narrower view whose row r starts where logits row r starts."""
+    """Where the row kernel writes d(loss)/d(logits): the logits' own elements when the dtypes
+    match, a narrower view of the logits' bytes whose row r starts where logits row r starts
+    (fp32 logits, half gradients), or a new buffer when the gradient is wider (half logits on
+    the CPU, whose GEMMs run in fp32). The row kernel writes every element."""
     if dtype == logits.dtype:
         return logits
-    ratio = logits.element_size() // torch.empty((), dtype=dtype).element_size()
-    return logits.view(dtype)[:, : logits.shape[1]] if ratio > 1 else logits.to(dtype)
+    if logits.element_size() > torch.empty((), dtype=dtype).element_size():
+        return logits.view(dtype)[:, : logits.shape[1]]
+    return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
 def run_chunks(
@@ -98,11 +114,22 @@ def run_chunks(
     need_hidden: bool = False,
     need_weight: bool = False,
     need_bias: bool = False,
+    fp32_grad_weight: bool | None = None,
+    logits_in_input_dtype: bool = False,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
     ``coef_ce``/``coef_z`` (N,) fp32 weight each row's d ce/dz and d z-term/dz; they are zero at
     ignored rows. Gradients come back in the dtypes of their inputs.
+
+    ``grad_W`` sums one GEMM per chunk. Each GEMM accumulates in fp32; across chunks the sum is
+    kept in fp32 when the weight is fp32, on CPU, or when an fp32 copy of ``grad_W`` fits in
+    ``budget_bytes`` (``fp32_grad_weight=None``); otherwise it is accumulated in the weight's
+    own dtype (one rounding per chunk) so that the extra memory stays within the budget.
+
+    ``logits_in_input_dtype`` stores each logits chunk in the GEMM dtype (bf16/fp16 on CUDA)
+    instead of fp32: half the bytes, so twice the rows per chunk, at the precision of an
+    unpatched half-precision head. Every reduction stays fp32.
     """
     n_rows = hidden.shape[0]
     vocab = weight.shape[0]
@@ -117,18 +144,24 @@ def run_chunks(
         ce = torch.empty(n_rows, dtype=torch.float32, device=device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     grad_hidden = torch.empty_like(hidden) if compute_grad and need_hidden else None
-    grad_weight = (
-        torch.zeros(weight.shape, dtype=torch.float32, device=device)
-        if compute_grad and need_weight
-        else None
-    )
+    if fp32_grad_weight is None:
+        fp32_grad_weight = gemm_dtype == torch.float32 or 4 * weight.numel() <= budget_bytes
+    acc_dtype = torch.float32 if fp32_grad_weight else weight.dtype
+    # The first chunk's GEMM overwrites a weight-dtype accumulator; an fp32 one is added into.
+    overwrite_first = acc_dtype != torch.float32 and n_rows > 0
+    alloc = torch.empty if overwrite_first else torch.zeros
+    grad_weight = None
+    if compute_grad and need_weight:
+        grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if compute_grad and need_bias else None
 
-    step = chunk_rows(vocab, budget_bytes)
+    logits_dtype = hidden.dtype if logits_in_input_dtype else torch.float32
+    step = chunk_rows(vocab, budget_bytes, torch.empty((), dtype=logits_dtype).element_size())
     for start in range(0, n_rows, step):
+        first = start == 0
         stop = min(start + step, n_rows)
         h = hidden[start:stop].to(gemm_dtype)
-        logits = _logits_fp32(h, w, b)
+        logits = _logits(h, w, b, logits_dtype)
         g = _grad_view(logits, gemm_dtype) if compute_grad else None
         ce_c, lse_c = row_kernel(
             logits,
@@ -150,7 +183,7 @@ def run_chunks(
             else:
                 grad_hidden[start:stop] = g @ w
         if grad_weight is not None:
-            _accumulate_grad_weight(grad_weight, g, h)
+            _accumulate_grad_weight(grad_weight, g, h, first and overwrite_first)
         if grad_bias is not None:
             grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g

@@ -22,7 +22,13 @@ from liger_patch.ops.options import LossOptions
 from liger_patch.ops.torch_ce import ce_rows_torch
 
 DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-"""Byte budget of the fp32 logits chunk (rows per chunk = budget / (4 * V))."""
+"""Byte budget of the logits chunk (rows per chunk = budget / (4 * V)). When an fp32 copy of
+grad_W also fits in it, grad_W is accumulated in fp32 across chunks (see ``chunked.run_chunks``)."""
+
+LOGITS_IN_INPUT_DTYPE = False
+"""Store logits chunks in the input dtype instead of fp32 (faster, half the bytes per row, the
+precision of an unpatched half-precision head). Off: being exact is the default. Measured in
+benchmarks/flce.py as ``ours_input_dtype_logits``; see docs/perf-notes.md."""
 
 Reduction = Literal["mean", "sum", "none"]
 Backend = Literal["auto", "triton", "torch"]
@@ -101,6 +107,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             need_hidden=need_h,
             need_weight=need_w,
             need_bias=need_b and bias is not None,
+            logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
         )
         z_rows = opts.z_loss_scale * res.lse.square()
         loss = _reduce(res.ce + z_rows, reduction, divisor)
@@ -123,9 +130,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grads = ctx.pre
             ctx.pre = None  # scaled in place below, so a second backward must recompute
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
-            for g in grads:
-                if g is not None:
-                    g.mul_(scale)
+            present = [g for g in grads if g is not None]
+            if present:
+                # One multi-tensor kernel with vectorised access: a plain mul_ by a 0-d CUDA
+                # tensor measured ~1 TB/s on the 1 GB grad_W (docs/perf-notes.md).
+                torch._foreach_mul_(present, scale)
             return (*grads, None, None, None, None, None, None, None)
 
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -146,6 +155,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 need_hidden=need_h,
                 need_weight=need_w,
                 need_bias=need_b and bias is not None,
+                logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
             )
         return res.grad_hidden, res.grad_weight, res.grad_bias, None, None, None, None, None, None, None
 
@@ -243,7 +253,14 @@ def fused_linear_cross_entropy(
             )
         else:  # forward work only: no gradient buffers, no gradient pass
             res = run_chunks(
-                _row_kernel(chosen), h2d, weight, bias, flat_labels, opts, budget_bytes=DEFAULT_CHUNK_BYTES
+                _row_kernel(chosen),
+                h2d,
+                weight,
+                bias,
+                flat_labels,
+                opts,
+                budget_bytes=DEFAULT_CHUNK_BYTES,
+                logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
             )
             z_rows = opts.z_loss_scale * res.lse.square()
             loss, z_loss = _reduce(res.ce + z_rows, reduction, divisor), _reduce(z_rows, reduction, divisor)

@@ -32,7 +32,9 @@ def ce_rows_torch(
     keep = labels != opts.ignore_index
     safe_labels = torch.where(keep, labels, 0).unsqueeze(-1)
 
-    x = logits * opts.scale if opts.logit_scale is not None else logits
+    x = logits.float()
+    if opts.logit_scale is not None:
+        x = x * opts.scale
     if opts.softcap is not None:
         tanh = torch.tanh(x / opts.softcap)
         z = opts.softcap * tanh

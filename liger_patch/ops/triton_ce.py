@@ -135,8 +135,9 @@ def _launch_config(vocab: int, interpret: bool) -> tuple[int, int]:
     if interpret:
         # Small blocks keep the interpreter fast and make small test vocabularies span several blocks.
         return min(64, max(16, triton.next_power_of_2(vocab))), 1
-    block = min(4096, max(128, triton.next_power_of_2(vocab)))
-    return block, 8 if block >= 2048 else 4
+    # Measured on H200 at V=128256 (docs/perf-notes.md): 8192 x 16 warps was the best of five.
+    block = min(8192, max(128, triton.next_power_of_2(vocab)))
+    return block, 16 if block >= 8192 else (8 if block >= 2048 else 4)
 
 
 def ce_rows_triton(

@@ -1,0 +1,178 @@
+"""End to end: one AdamW step of a random-init model in bf16 (sdpa), unpatched vs patched.
+
+Each (model, tokens, variant) runs in its own process so that patches and allocator state do
+not leak between variants. Variants: ``unpatched``, ``liger_kernel`` (liger-kernel's fused linear
+cross-entropy patch only: rope, rms_norm, swiglu and its plain cross-entropy off) when it is
+importable, and ``liger_patch`` (ours). Reported: median step time over the timed steps, peak
+memory allocated in the steady state, and the first step's loss (same seed and init for all).
+
+    python benchmarks/e2e.py --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROWS = {
+    "llama1b_8x2048": ("llama", 8, 2048),
+    "llama1b_16x2048": ("llama", 16, 2048),
+    "qwen05b_16x2048": ("qwen2", 16, 2048),
+}
+VARIANTS = ("unpatched", "liger_kernel", "liger_patch")
+GiB = 1024**3
+
+
+def make_config(family: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    if family == "llama":  # Llama-3.2-1B shape
+        return LlamaConfig(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+        )
+    return Qwen2Config(  # Qwen2.5-0.5B shape
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+
+
+def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    family, batch, seq = ROWS[row]
+    if variant == "liger_kernel":
+        from liger_kernel import transformers as lk
+
+        patch = lk.apply_liger_kernel_to_llama if family == "llama" else lk.apply_liger_kernel_to_qwen2
+        patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
+    torch.manual_seed(0)
+    config = make_config(family)
+    with torch.device("cuda"):  # initialise on the GPU: CPU init of 1B parameters takes longer than the run
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if variant == "liger_patch":
+        import liger_patch
+
+        liger_patch.apply_liger_to(model)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    first_loss = float(step())
+    for _ in range(warmup - 1):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return {
+        "row": row,
+        "variant": variant,
+        "ms": statistics.median(times),
+        "ms_all": times,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        "first_loss": first_loss,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--one", nargs=2, metavar=("ROW", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(*args.one, args.warmup, args.steps)))
+        return 0
+
+    results = []
+    for row in args.rows.split(","):
+        for variant in args.variants.split(","):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                row,
+                variant,
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
+            if proc.returncode == 0:
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            else:
+                results.append(
+                    {"row": row, "variant": variant, "error": proc.stderr.strip().splitlines()[-1:]}
+                )
+            print(json.dumps(results[-1]), flush=True)
+
+    lines = [
+        "| model, tokens | " + " | ".join(args.variants.split(",")) + " |",
+        "|---" * (1 + len(args.variants.split(","))) + "|",
+    ]
+    for row in args.rows.split(","):
+        cells = []
+        base = next(
+            (r for r in results if r["row"] == row and r["variant"] == "unpatched" and "ms" in r), None
+        )
+        for variant in args.variants.split(","):
+            r = next(r for r in results if r["row"] == row and r["variant"] == variant)
+            if "ms" not in r:
+                cells.append("error")
+                continue
+            dloss = f", loss diff {abs(r['first_loss'] - base['first_loss']):.1e}" if base else ""
+            cells.append(f"{r['ms']:.0f} ms, {r['peak_gib']:.1f} GiB{dloss}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        import torch
+
+        with open(args.out, "w") as f:
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "results": results, "table": table}, f, indent=1
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
