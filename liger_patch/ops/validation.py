@@ -59,6 +59,18 @@ def check_tensors(
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and hasattr(t, "placements") and hasattr(t, "to_local"):  # a DTensor
+            raise TypeError(
+                f"{name} is a DTensor (placements {tuple(t.placements)}); the fused loss needs full local "
+                "tensors. Call it through a patched model (which gathers an FSDP2-sharded head inside "
+                "lm_head's own call) or pass t.full_tensor()"
+            )
+    if getattr(weight, "ds_status", None) is not None and weight.numel() == 0:
+        raise ValueError(
+            f"weight is a DeepSpeed ZeRO-3 partition that is not gathered (ds_status={weight.ds_status}); "
+            "call the loss inside the head module's call (as a patched model does) or under "
+            "deepspeed.zero.GatheredParameters"
+        )
     if hidden.dim() < 1:
         raise ValueError("hidden must have shape (..., H); got a 0-d tensor")
     if weight.dim() != 2:

@@ -33,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from liger_patch import env
-from liger_patch.ops import fused_linear_cross_entropy
 from liger_patch.patching.registry import ModelSpec
+from liger_patch.patching.sharded_head import fused_head_loss, is_dtensor, sharded_head_reason
 
 try:  # transformers 5.x names the slicing (and adds 2-D position/mask forms); 4.57 sliced inline
     from transformers.modeling_utils import slice_logits_to_keep
@@ -136,7 +136,9 @@ def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, s
     The kernel reads ``head.weight`` and ``head.bias`` directly, so it is exact only for a plain
     linear layer with a dense floating-point weight. A LoRA-wrapped head (the adapter would be
     silently dropped), a quantized head (packed integer/float8 weight or an overridden forward)
-    and an offloaded head (weight on ``meta``) all take the original path instead.
+    and an offloaded head (weight on ``meta``) all take the original path instead. An FSDP2-sharded
+    weight (a DTensor) is fused: ``sharded_head.fused_head_loss`` gathers it; a tensor-parallel one
+    is not.
     """
     head = _active_modules_to_save_copy(get_submodule_path(model, spec.head))
     if _is_peft_adapter_layer(head):
@@ -148,8 +150,11 @@ def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, s
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         return None, f"its {spec.head} is a {type(head).__name__}, not a plain nn.Linear (quantized?)"
     weight = head.weight
+    sharded_reason = sharded_head_reason(model, head)
+    if sharded_reason:
+        return None, sharded_reason
     if (
-        type(weight) not in (nn.Parameter, torch.Tensor)
+        (type(weight) not in (nn.Parameter, torch.Tensor) and not is_dtensor(weight))
         or not weight.is_floating_point()
         or weight.dtype in _FLOAT8_DTYPES
     ):
@@ -286,11 +291,10 @@ def fused_causal_lm_forward(
         num_items_in_batch = num_items_in_batch.to(hidden.device)
 
     want_z_loss = state.z_loss_scale > 0
-    result = fused_linear_cross_entropy(
+    result = fused_head_loss(  # through the head's own call when FSDP2 / ZeRO-3 owns its weight
+        head,
         hidden.reshape(-1, hidden.shape[-1]),
-        head.weight,
         targets.reshape(-1),
-        head.bias,
         ignore_index=ignore_index,
         reduction="mean",
         num_items_in_batch=num_items_in_batch,

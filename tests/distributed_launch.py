@@ -1,0 +1,94 @@
+"""Start the distributed test workers as real processes, always time-bound.
+
+One subprocess per rank (no torchrun: we own every process, so a timeout can kill each of them
+and its children). Each rank runs in its own session; when the deadline passes, every rank's
+process group is killed and the test fails with the ranks' output instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # its own session: the rank and its children only
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_workers(
+    module: str, args: list[str], out_dir: Path, world_size: int = 2, timeout: float = 240
+) -> None:
+    """Run ``python -m module *args`` on ``world_size`` ranks; raise if one fails or time runs out."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+    )
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", "1")  # CI has 2 cores for 2 ranks
+    procs, logs = [], []
+    for rank in range(world_size):
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        env_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                cwd=REPO,
+                env=env_rank,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        logs.append(log)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed workers still running after {timeout:.0f}s")
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(5)  # let the other rank fail on its own (collective timeout) or finish
+                break
+            time.sleep(0.2)
+    except TimeoutError as error:
+        failure = str(error)
+    else:
+        failure = ""
+    finally:
+        for proc in procs:
+            if proc.poll() is None and not failure:
+                failure = "a rank failed while another was still running"
+            _kill(proc)
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if failure or any(codes):
+        tails = "\n".join(
+            f"--- rank {r} (exit {codes[r]}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}"
+            for r in range(world_size)
+        )
+        raise AssertionError(f"distributed run failed: {failure or codes}\n{tails}")
