@@ -99,6 +99,7 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
+@torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
 def run_chunks(
     row_kernel: RowKernel,
     hidden: torch.Tensor,
