@@ -45,6 +45,9 @@ from torch.distributed.tensor import DTensor
 
 import liger_patch as lp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import LLAMA_3_2_1B  # noqa: E402
+
 LOSS_TOL = 2e-2  # bf16 patched vs unpatched, absolute, per step (losses are ~8.3)
 GRAD_TOL = 5e-2  # step-0 gradient, relative L2 error of the worst parameter
 
@@ -59,17 +62,7 @@ TINY = dict(
     max_position_embeddings=512,
 )
 SMOKE_TINY = dict(TINY, vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16)
-LLAMA_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    tie_word_embeddings=True,
-)
+LLAMA_1B = LLAMA_3_2_1B
 SMOKE_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 

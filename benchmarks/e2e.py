@@ -28,30 +28,10 @@ GiB = 1024**3
 
 
 def make_config(family: str):
+    from model_shapes import LLAMA_3_2_1B, QWEN2_5_05B
     from transformers import LlamaConfig, Qwen2Config
 
-    if family == "llama":  # Llama-3.2-1B shape
-        return LlamaConfig(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            tie_word_embeddings=True,
-            max_position_embeddings=4096,
-            rope_theta=500000.0,
-        )
-    return Qwen2Config(  # Qwen2.5-0.5B shape
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
+    return LlamaConfig(**LLAMA_3_2_1B) if family == "llama" else Qwen2Config(**QWEN2_5_05B)
 
 
 def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
