@@ -128,9 +128,9 @@ def run_chunks(
     ``budget_bytes`` (``fp32_grad_weight=None``); otherwise it is accumulated in the weight's
     own dtype (one rounding per chunk) so that the extra memory stays within the budget.
 
-    ``logits_in_input_dtype`` stores each logits chunk in the GEMM dtype (bf16/fp16 on CUDA)
-    instead of fp32: half the bytes, so twice the rows per chunk, at the precision of an
-    unpatched half-precision head. Every reduction stays fp32.
+    ``logits_in_input_dtype`` stores each logits chunk in ``hidden``'s dtype instead of fp32: for
+    bf16/fp16 inputs half the bytes, so twice the rows per chunk, at the precision of an unpatched
+    half-precision head. Every reduction stays fp32.
     """
     n_rows = hidden.shape[0]
     vocab = weight.shape[0]

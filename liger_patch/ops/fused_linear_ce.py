@@ -22,8 +22,9 @@ from liger_patch.ops.options import LossOptions
 from liger_patch.ops.torch_ce import ce_rows_torch
 
 DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-"""Byte budget of the logits chunk (rows per chunk = budget / (4 * V)). When an fp32 copy of
-grad_W also fits in it, grad_W is accumulated in fp32 across chunks (see ``chunked.run_chunks``)."""
+"""Byte budget of the logits chunk (rows per chunk = budget / (bytes per logit * V): 4 for fp32
+logits, 2 with ``LOGITS_IN_INPUT_DTYPE`` and half inputs). When an fp32 copy of grad_W also fits
+in it, grad_W is accumulated in fp32 across chunks (see ``chunked.run_chunks``)."""
 
 LOGITS_IN_INPUT_DTYPE = False
 """Store logits chunks in the input dtype instead of fp32 (faster, half the bytes per row, the
@@ -86,6 +87,14 @@ def _reduce(rows: torch.Tensor, reduction: str, divisor: torch.Tensor | float) -
     return total if reduction == "sum" else total / divisor
 
 
+def _loss_and_z_loss(
+    ce: torch.Tensor, lse: torch.Tensor, opts: LossOptions, reduction: str, divisor: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduced ``ce + z_loss_scale * lse^2`` and its z-loss part (lse is 0 at ignored rows)."""
+    z_rows = opts.z_loss_scale * lse.square()
+    return _reduce(ce + z_rows, reduction, divisor), _reduce(z_rows, reduction, divisor)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, row_weight, divisor, opts, reduction, backend, budget):
@@ -109,9 +118,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             need_bias=need_b and bias is not None,
             logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
         )
-        z_rows = opts.z_loss_scale * res.lse.square()
-        loss = _reduce(res.ce + z_rows, reduction, divisor)
-        z_loss = _reduce(z_rows, reduction, divisor)
+        loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
 
         ctx.save_for_backward(hidden, weight, bias, labels, row_weight, res.lse)
         ctx.pre = (res.grad_hidden, res.grad_weight, res.grad_bias) if precompute else None
@@ -262,8 +269,7 @@ def fused_linear_cross_entropy(
                 budget_bytes=DEFAULT_CHUNK_BYTES,
                 logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
             )
-            z_rows = opts.z_loss_scale * res.lse.square()
-            loss, z_loss = _reduce(res.ce + z_rows, reduction, divisor), _reduce(z_rows, reduction, divisor)
+            loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
     if reduction == "none":
         loss, z_loss = loss.reshape(lead_shape), z_loss.reshape(lead_shape)
     return (loss, z_loss) if return_z_loss else loss
