@@ -54,28 +54,18 @@ def ours(hidden, weight, labels):
     return fused_linear_cross_entropy(hidden, weight, labels)
 
 
-def ours_without_label_check(hidden, weight, labels):
-    """Ours with the label range check (its one host sync) switched off, to price that sync."""
-    from liger_patch.ops import fused_linear_ce, validation
+def ours_fp32_logits(hidden, weight, labels):
+    """Ours with logits chunks stored in fp32 (``logits_dtype=torch.float32``)."""
+    from liger_patch import fused_linear_cross_entropy
 
-    saved = validation.check_label_range
-    validation.check_label_range = lambda *a, **k: None
-    try:
-        return fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels)
-    finally:
-        validation.check_label_range = saved
+    return fused_linear_cross_entropy(hidden, weight, labels, logits_dtype=torch.float32)
 
 
-def ours_input_dtype_logits(hidden, weight, labels):
-    """Ours with logits chunks stored in the input dtype (opt-in; see docs/perf-notes.md)."""
-    from liger_patch.ops import fused_linear_ce
+def ours_lean(hidden, weight, labels):
+    """Ours at the lean memory budget (32 MiB): the two-pass path."""
+    from liger_patch import fused_linear_cross_entropy
 
-    saved = fused_linear_ce.LOGITS_IN_INPUT_DTYPE
-    fused_linear_ce.LOGITS_IN_INPUT_DTYPE = True
-    try:
-        return fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels)
-    finally:
-        fused_linear_ce.LOGITS_IN_INPUT_DTYPE = saved
+    return fused_linear_cross_entropy(hidden, weight, labels, memory_budget="lean")
 
 
 _compiled = None
@@ -102,8 +92,8 @@ def cut_cross_entropy(hidden, weight, labels):
 
 IMPLS: dict[str, Callable] = {
     "ours": ours,
-    "ours_no_label_check": ours_without_label_check,
-    "ours_input_dtype_logits": ours_input_dtype_logits,
+    "ours_fp32_logits": ours_fp32_logits,
+    "ours_lean": ours_lean,
     "torch_eager": torch_eager,
     "torch_compile": torch_compile,
     "liger_kernel": liger_kernel,
@@ -221,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="8192x4096x128256", help="comma list of " + ", ".join(SHAPES))
-    parser.add_argument("--impls", default="ours,ours_no_label_check,torch_eager", help="comma list or 'all'")
+    parser.add_argument("--impls", default="ours,torch_eager", help="comma list or 'all'")
     parser.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")
     parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
     parser.add_argument("--out", default=None, help="write JSON here (a .md table is written beside it)")

@@ -105,20 +105,21 @@ def full_op(n: int, h_dim: int, v: int, budget_mib: int, launch: tuple[int, int]
     weight = (torch.randn(v, h_dim, device="cuda", generator=gen) / h_dim**0.5).to(torch.bfloat16)
     weight.requires_grad_()
     labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    saved_budget, saved_launch = fused_linear_ce.DEFAULT_CHUNK_BYTES, triton_ce._launch_config
-    fused_linear_ce.DEFAULT_CHUNK_BYTES = budget_mib * MiB
+    saved_launch = triton_ce._launch_config
     if launch is not None:
         triton_ce._launch_config = lambda vocab, interpret: launch
     try:
 
         def step():
             hidden.grad = weight.grad = None
-            fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels).backward()
+            fused_linear_ce.fused_linear_cross_entropy(
+                hidden, weight, labels, memory_budget=budget_mib * MiB
+            ).backward()
 
         step()
         return bench(step, rep)
     finally:
-        fused_linear_ce.DEFAULT_CHUNK_BYTES, triton_ce._launch_config = saved_budget, saved_launch
+        triton_ce._launch_config = saved_launch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,3 +24,10 @@ def triton_interpret() -> bool:
 def return_logits() -> bool:
     """``LIGER_RETURN_LOGITS=1``: patched forwards also return the real logits."""
     return flag("LIGER_RETURN_LOGITS")
+
+
+def memory_budget() -> str | None:
+    """``LIGER_MEMORY_BUDGET``: the fused loss's working-memory budget when a call does not pass
+    one (``lean``, ``default``, or a size such as ``256MiB``); ``None`` when unset or empty."""
+    value = os.environ.get("LIGER_MEMORY_BUDGET", "").strip()
+    return value or None

@@ -57,14 +57,20 @@ def gen(request) -> torch.Generator:
 
 @pytest.fixture
 def chunk_rows(monkeypatch):
-    """chunk_rows(rows, V): shrink the op's chunk byte budget to `rows` fp32 logit rows of
-    width V, so that small inputs run through several chunks (and a remainder chunk).
-    chunk_rows(None, V) makes the budget huge: everything in one chunk."""
-    mod = importlib.import_module("liger_patch.ops.fused_linear_ce")
-    assert isinstance(mod.DEFAULT_CHUNK_BYTES, int)
+    """chunk_rows(rows, V, two_pass=False): run the op in chunks of exactly `rows` token rows (and,
+    on the two-pass path, vocabulary blocks of `rows` columns), so that small inputs go through
+    several chunks and a remainder chunk. The memory budget becomes `rows` fp32 logit rows of
+    width V, so an fp32 grad_W rarely fits and the weight-dtype accumulation runs.
+    `two_pass=True` makes every input with more than `rows + 1` tokens take the two-pass path;
+    otherwise it is never taken. chunk_rows(None, V) puts everything in one chunk."""
+    op = importlib.import_module("liger_patch.ops.fused_linear_ce")
+    chunked = importlib.import_module("liger_patch.ops.chunked")
+    assert isinstance(chunked.MIN_TOKEN_CHUNK_ROWS, int)
 
-    def set_rows(rows, V):
-        value = (1 << 34) if rows is None else 4 * V * rows
-        monkeypatch.setattr(mod, "DEFAULT_CHUNK_BYTES", value)
+    def set_rows(rows, V, two_pass=False):
+        forced = (1 << 40) if rows is None else rows
+        monkeypatch.setattr(op, "DEFAULT_MEMORY_BUDGET", (1 << 34) if rows is None else 4 * V * rows)
+        monkeypatch.setattr(chunked, "chunk_rows", lambda *args: forced)
+        monkeypatch.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", forced + 1 if two_pass else 0)
 
     return set_rows

@@ -140,8 +140,8 @@ def call_raw(hidden, weight, labels, bias=None, **opts):
 
 def reference_for(case: Case, **opts):
     """fp64 reference on CPU. Returns (loss, z_loss, leaves) where leaves mirror requires_grad."""
-    opts.pop("return_z_loss", None)
-    opts.pop("backend", None)
+    for how_not_what in ("return_z_loss", "backend", "logits_dtype", "memory_budget"):
+        opts.pop(how_not_what, None)  # options of the computation, not of the math
     opts.setdefault("ignore_index", case.ignore_index)
     leaves = {
         k: t.detach().cpu().to(torch.float64).requires_grad_(t.requires_grad)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from op_helpers import make_case, reference_for
 
+from liger_patch.ops import chunked
 from liger_patch.ops.chunked import run_chunks
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.torch_ce import ce_rows_torch
@@ -39,14 +40,17 @@ def test_grad_weight_accumulation_modes(gen, device, fp32_grad_weight):
         coef_z=torch.zeros(47, device=device),
         need_weight=True,
         fp32_grad_weight=fp32_grad_weight,
+        logits_dtype=torch.float32,  # isolate the accumulation's rounding from the logits'
     )
     assert res.grad_weight.dtype == torch.bfloat16
     assert _rel(res.grad_weight, leaves["weight"].grad) < tol
 
 
-def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device):
-    """With the default (auto) rule, a budget that holds an fp32 grad_W keeps the sum exact in
-    fp32 until the final rounding, so the result equals fp32 accumulation bit for bit."""
+def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device, monkeypatch):
+    """With the default (auto) rule, a budget that holds an fp32 grad_W next to chunks of
+    MIN_TOKEN_CHUNK_ROWS rows keeps the sum exact in fp32 until the final rounding, so the result
+    equals fp32 accumulation bit for bit."""
+    monkeypatch.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", 4)
     case = make_case(gen, (30,), 16, 64, dtype=torch.bfloat16, device=device, requires_grad=("weight",))
     args = (
         ce_rows_torch,
@@ -59,7 +63,7 @@ def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device):
     coef = dict(
         coef_ce=torch.ones(30, device=device), coef_z=torch.zeros(30, device=device), need_weight=True
     )
-    budget = 4 * 64 * 16 + 4 * 64 * 4  # an fp32 grad_W, and 4 rows of logits
+    budget = 4 * 64 * 16 + 2 * 64 * 4  # an fp32 grad_W, and 4 rows of bf16 logits: 8 chunks
     auto = run_chunks(*args, budget_bytes=budget, **coef)
     fp32 = run_chunks(*args, budget_bytes=budget, fp32_grad_weight=True, **coef)
     assert torch.equal(auto.grad_weight, fp32.grad_weight)

@@ -1,4 +1,4 @@
-"""The Triton row kernel compiles for Hopper (sm_90) down to a cubin, on any machine.
+"""The Triton kernels compile for Hopper (sm_90) down to a cubin, on any machine.
 
 The interpreter (used by the CPU tests) executes Python semantics and accepts code that the
 real compiler rejects (loop-carried type changes, unsupported ops). Compiling ahead of time
@@ -34,7 +34,8 @@ from liger_patch.ops.triton_ce import _ce_rows_kernel
 
 pointers = ["logits_ptr", "grad_ptr", "labels_ptr", "coef_ce_ptr", "coef_z_ptr", "lse_in_ptr",
             "ce_ptr", "lse_ptr"]
-scalars = {"stride_logits": "i64", "stride_grad": "i64", "V": "i32", "ignore_index": "i64",
+scalars = {"stride_logits": "i64", "stride_grad": "i64", "V": "i32", "col_offset": "i32",
+           "V_total": "i32", "ignore_index": "i64",
            "logit_scale": "fp32", "softcap": "fp32", "smoothing": "fp32", "z_loss_scale": "fp32"}
 flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "COMPUTE_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
@@ -49,6 +50,15 @@ for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+    report.append({"cubin_bytes": len(compiled.asm["cubin"]),
+                   "stores": compiled.asm["ptx"].count("st.global")})
+from liger_patch.ops.triton_scale import _scale_kernel
+
+scale = triton.jit(_scale_kernel)
+for dtype in ("*fp32", "*bf16", "*fp16"):
+    src = ASTSource(fn=scale, signature={"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64",
+                                         "BLOCK": "constexpr"}, constexprs={(3,): 4096})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
 print(json.dumps(report))
@@ -66,7 +76,7 @@ def test_row_kernel_compiles_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == len(VARIANTS)
-    for variant, built in zip(VARIANTS, report, strict=True):
+    assert len(report) == len(VARIANTS) + 3  # the row kernel's variants, the scale kernel's dtypes
+    for variant, built in zip(VARIANTS + ["scale fp32", "scale bf16", "scale fp16"], report, strict=True):
         assert built["cubin_bytes"] > 0, f"no cubin for {variant}"
         assert built["stores"] > 0, f"no global stores in the PTX for {variant}"

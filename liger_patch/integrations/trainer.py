@@ -23,16 +23,25 @@ class LigerPatchCallback(TrainerCallback):
     """Patch the Trainer's model with ``apply_liger_to(model, **options)`` and log its z-loss.
 
     Args:
-        z_loss_scale, label_smoothing, strict: passed to :func:`liger_patch.apply_liger_to`.
+        z_loss_scale, label_smoothing, memory_budget, strict: passed to
+            :func:`liger_patch.apply_liger_to`.
 
     When ``z_loss_scale > 0`` every training log line gets ``z_loss``: the mean, per optimizer
     step since the last log, of the scaled z-loss term that is already inside ``loss``.
     """
 
-    def __init__(self, *, z_loss_scale: float = 0.0, label_smoothing: float = 0.0, strict: bool = True):
+    def __init__(
+        self,
+        *,
+        z_loss_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        memory_budget: int | str | None = None,
+        strict: bool = True,
+    ):
         self.options: dict[str, Any] = {
             "z_loss_scale": z_loss_scale,
             "label_smoothing": label_smoothing,
+            "memory_budget": memory_budget,
             "strict": strict,
         }
 

@@ -1,12 +1,20 @@
-"""The token-chunk loop shared by every backend: three GEMMs around one row kernel per chunk.
+"""The chunk loops shared by every backend: GEMMs around one row kernel per chunk.
 
-For each chunk of rows: ``logits = h W^T + b`` in fp32 (the only ``rows x V`` buffer), the
-backend's row kernel turns it into loss terms and, in place, into d(loss)/d(logits); then
-``grad_h = g W`` (written straight into its slice, no accumulation) and ``grad_W += g^T h``
-(accumulated in fp32). The full ``tokens x V`` logits never exist.
+Token chunks (the default). For each chunk of rows: ``logits = h W^T + b`` (the only
+``rows x V`` buffer), the backend's row kernel turns it into loss terms and, in place, into
+d(loss)/d(logits); then ``grad_h = g W`` (written straight into its slice) and ``grad_W += g^T h``.
+Three GEMMs per token, but grad_W is read and written once per chunk, which a small memory
+budget (few rows per chunk) makes expensive.
 
-GEMM operands stay in the input dtype on CUDA (tensor cores, fp32 accumulation, fp32 logits
-output) and are fp32 on CPU, where half-precision matmuls are slow and less exact.
+Two passes (small budgets, see ``MIN_TOKEN_CHUNK_ROWS``). Pass A runs the token chunks for the
+loss and grad_h only, with the not-yet-computed grad_W as its logits buffer; pass B walks the
+vocabulary in blocks, recomputes the ``tokens x block`` logits and writes each grad_W block with one
+GEMM over all tokens. Four GEMMs per token instead of three, but no grad_W re-reads and no
+working memory beyond the budget.
+
+GEMM operands stay in the input dtype on CUDA (tensor cores, fp32 accumulation) and are fp32 on
+CPU, where half-precision matmuls are slow and less exact. The full ``tokens x V`` logits never
+exist.
 """
 
 from __future__ import annotations
@@ -31,8 +39,14 @@ class ChunkResult:
     grad_bias: torch.Tensor | None
 
 
+MIN_TOKEN_CHUNK_ROWS = 512
+"""Below this many rows per token chunk, the two-pass path computes grad_W instead: measured on an
+H200 (docs/perf-notes.md), a grad_W GEMM over 512-row chunks already costs ~30 % more than one
+over all tokens, and each halving of the chunk adds a full extra pass over grad_W."""
+
+
 def chunk_rows(vocab: int, budget_bytes: int, element_bytes: int = 4) -> int:
-    """Rows per chunk so that the logits chunk fits ``budget_bytes``."""
+    """Rows per chunk so that a ``rows x vocab`` chunk fits ``budget_bytes`` (at least one row)."""
     rows = max(1, budget_bytes // (element_bytes * max(vocab, 1)))
     return rows - rows % 128 if rows >= 256 else rows
 
@@ -53,23 +67,42 @@ def _has_out_dtype_mm(device_type: str) -> bool:
         return False
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``h w^T + b`` (bias in fp32) stored in ``dtype``.
+def _logits(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``h w^T + b`` (bias in fp32) stored in ``dtype``, into ``out`` when given.
 
-    The GEMM always accumulates in fp32; ``dtype`` only decides how the chunk is stored: fp32, or
-    rounded once to the input's half dtype, as an unpatched half-precision head stores it.
+    The GEMM always accumulates in fp32; ``dtype`` only decides how the chunk is stored: rounded
+    once to the input's half dtype, as an unpatched half-precision head stores it, or fp32.
     """
-    if h.dtype == dtype:  # CUDA, half logits: the GEMM rounds on store
-        return h @ w.t() if bias is None else torch.addmm(bias.to(dtype), h, w.t())
-    if h.dtype == torch.float32:  # fp32 inputs, or the CPU, which runs its GEMMs in fp32
-        out = h @ w.t()
+    if h.dtype == dtype:  # the GEMM rounds on store (half logits on CUDA, or fp32 everything)
+        if bias is None:
+            return torch.mm(h, w.t(), out=out) if out is not None else h @ w.t()
+        b = bias.to(dtype)
+        return torch.addmm(b, h, w.t(), out=out) if out is not None else torch.addmm(b, h, w.t())
+    if h.dtype == torch.float32:  # the CPU, which runs its GEMMs in fp32
+        res = h @ w.t()
     elif _has_out_dtype_mm(h.device.type):
-        out = torch.mm(h, w.t(), out_dtype=torch.float32)
+        if out is not None and bias is None:
+            return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
+        res = torch.mm(h, w.t(), out_dtype=torch.float32)
     else:
-        out = (h @ w.t()).float()
+        res = (h @ w.t()).float()
     if bias is not None:
-        out += bias
-    return out.to(dtype)
+        res += bias
+    if out is None:
+        return res.to(dtype)
+    return out.copy_(res)
+
+
+def _buffer_in(storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A ``rows x cols`` tensor of ``dtype`` laid over the first bytes of ``storage`` (contiguous)."""
+    nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+    return storage.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(rows, cols)
 
 
 def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -99,6 +132,21 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
+def _grad_hidden_into(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
+    if g.dtype == out.dtype:
+        torch.mm(g, w, out=out)
+    else:
+        out.copy_(g @ w)
+
+
+def _grad_weight_into(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``out = g^T h`` for one vocabulary block: a single GEMM over all tokens, rounded once."""
+    if g.dtype == out.dtype:
+        torch.mm(g.t(), h, out=out)
+    else:
+        out.copy_(g.t() @ h)
+
+
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
 def run_chunks(
     row_kernel: RowKernel,
@@ -116,21 +164,27 @@ def run_chunks(
     need_weight: bool = False,
     need_bias: bool = False,
     fp32_grad_weight: bool | None = None,
-    logits_in_input_dtype: bool = False,
+    logits_dtype: torch.dtype | None = None,
+    two_pass: bool | None = None,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
     ``coef_ce``/``coef_z`` (N,) fp32 weight each row's d ce/dz and d z-term/dz; they are zero at
-    ignored rows. Gradients come back in the dtypes of their inputs.
+    ignored rows. ``lse_in`` (N,) skips the log-sum-exp pass (the backward passes the forward's).
+    Gradients come back in the dtypes of their inputs.
 
-    ``grad_W`` sums one GEMM per chunk. Each GEMM accumulates in fp32; across chunks the sum is
-    kept in fp32 when the weight is fp32, on CPU, or when an fp32 copy of ``grad_W`` fits in
-    ``budget_bytes`` (``fp32_grad_weight=None``); otherwise it is accumulated in the weight's
-    own dtype (one rounding per chunk) so that the extra memory stays within the budget.
+    ``logits_dtype`` is how logits chunks are stored (``None``: the input dtype). ``budget_bytes``
+    bounds the working memory: the logits chunk, or the vocabulary block in pass B, plus an fp32
+    grad_W accumulator when one is used.
 
-    ``logits_in_input_dtype`` stores each logits chunk in ``hidden``'s dtype instead of fp32: for
-    bf16/fp16 inputs half the bytes, so twice the rows per chunk, at the precision of an unpatched
-    half-precision head. Every reduction stays fp32.
+    ``two_pass=None`` picks the two-pass path when grad_W is needed and the budget gives fewer
+    than ``MIN_TOKEN_CHUNK_ROWS`` rows per token chunk (and more than one chunk).
+
+    On the token-chunk path grad_W sums one GEMM per chunk. Each GEMM accumulates in fp32;
+    across chunks the sum is kept in fp32 when the weight is fp32, on CPU, or when an fp32 copy
+    of ``grad_W`` fits in ``budget_bytes`` next to the chunk (``fp32_grad_weight=None``);
+    otherwise it is accumulated in the weight's own dtype (one rounding per chunk) so that the
+    extra memory stays within the budget.
     """
     n_rows = hidden.shape[0]
     vocab = weight.shape[0]
@@ -139,31 +193,52 @@ def run_chunks(
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
     b = None if bias is None else bias.float()
+    logits_dtype = logits_dtype or hidden.dtype
+    logit_bytes = torch.empty((), dtype=logits_dtype).element_size()
+    step = chunk_rows(vocab, budget_bytes, logit_bytes)
+    if two_pass is None:
+        two_pass = step < MIN_TOKEN_CHUNK_ROWS < n_rows
+    two_pass = two_pass and compute_grad and need_weight
 
     ce = lse = None
     if lse_in is None:
         ce = torch.empty(n_rows, dtype=torch.float32, device=device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     grad_hidden = torch.empty_like(hidden) if compute_grad and need_hidden else None
-    if fp32_grad_weight is None:
-        fp32_grad_weight = gemm_dtype == torch.float32 or 4 * weight.numel() <= budget_bytes
-    acc_dtype = torch.float32 if fp32_grad_weight else weight.dtype
-    # The first chunk's GEMM overwrites a weight-dtype accumulator; an fp32 one is added into.
-    overwrite_first = acc_dtype != torch.float32 and n_rows > 0
-    alloc = torch.empty if overwrite_first else torch.zeros
-    grad_weight = None
-    if compute_grad and need_weight:
-        grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if compute_grad and need_bias else None
 
-    logits_dtype = hidden.dtype if logits_in_input_dtype else torch.float32
-    step = chunk_rows(vocab, budget_bytes, torch.empty((), dtype=logits_dtype).element_size())
-    for start in range(0, n_rows, step):
-        first = start == 0
+    grad_weight = scratch = None
+    overwrite_first = False
+    if compute_grad and need_weight and two_pass:
+        grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+        # Pass A keeps its logits chunks in grad_W's bytes: they are free until pass B.
+        scratch_rows = min(n_rows, weight.numel() * weight.element_size() // (vocab * logit_bytes))
+        if scratch_rows > step:
+            step, scratch = scratch_rows, grad_weight
+    elif compute_grad and need_weight:
+        # An fp32 accumulator is used when it fits in the budget next to chunks of at least
+        # MIN_TOKEN_CHUNK_ROWS rows (or all rows); the chunks then share what it leaves.
+        rest = budget_bytes - 4 * weight.numel()
+        rest_rows = chunk_rows(vocab, rest, logit_bytes) if rest > 0 else 0
+        if fp32_grad_weight is None:
+            fp32_grad_weight = gemm_dtype == torch.float32 or rest_rows >= min(n_rows, MIN_TOKEN_CHUNK_ROWS)
+        if fp32_grad_weight and gemm_dtype != torch.float32:
+            step = max(1, rest_rows)
+        acc_dtype = torch.float32 if fp32_grad_weight else weight.dtype
+        # The first chunk's GEMM overwrites a weight-dtype accumulator; an fp32 one is added into.
+        overwrite_first = acc_dtype != torch.float32 and n_rows > 0
+        alloc = torch.empty if overwrite_first else torch.zeros
+        grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
+
+    token_grads = compute_grad and (need_hidden or not two_pass)
+    # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
+    token_rows = n_rows if (lse_in is None or token_grads) else 0
+    for start in range(0, token_rows, step):
         stop = min(start + step, n_rows)
         h = hidden[start:stop].to(gemm_dtype)
-        logits = _logits(h, w, b, logits_dtype)
-        g = _grad_view(logits, gemm_dtype) if compute_grad else None
+        out = None if scratch is None else _buffer_in(scratch, stop - start, vocab, logits_dtype)
+        logits = _logits(h, w, b, logits_dtype, out=out)
+        g = _grad_view(logits, gemm_dtype) if token_grads else None
         ce_c, lse_c = row_kernel(
             logits,
             labels[start:stop],
@@ -179,15 +254,30 @@ def run_chunks(
         if g is None:
             continue
         if grad_hidden is not None:
-            if gemm_dtype == grad_hidden.dtype:
-                torch.mm(g, w, out=grad_hidden[start:stop])
-            else:
-                grad_hidden[start:stop] = g @ w
-        if grad_weight is not None:
-            _accumulate_grad_weight(grad_weight, g, h, first and overwrite_first)
-        if grad_bias is not None:
-            grad_bias += g.sum(dim=0, dtype=torch.float32)
+            _grad_hidden_into(grad_hidden[start:stop], g, w)
+        if not two_pass:
+            if grad_weight is not None:
+                _accumulate_grad_weight(grad_weight, g, h, start == 0 and overwrite_first)
+            if grad_bias is not None:
+                grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g
+
+    if two_pass:
+        _vocab_pass(
+            row_kernel,
+            hidden.to(gemm_dtype),
+            w,
+            b,
+            labels,
+            opts,
+            budget_bytes,
+            logits_dtype,
+            coef_ce,
+            coef_z,
+            lse_in if lse_in is not None else lse,
+            grad_weight,
+            grad_bias,
+        )
 
     return ChunkResult(
         ce=ce,
@@ -196,3 +286,65 @@ def run_chunks(
         grad_weight=None if grad_weight is None else grad_weight.to(weight.dtype),
         grad_bias=None if grad_bias is None else grad_bias.to(bias.dtype),
     )
+
+
+def _vocab_pass(
+    row_kernel: RowKernel,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    labels: torch.Tensor,
+    opts: LossOptions,
+    budget_bytes: int,
+    logits_dtype: torch.dtype,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    lse: torch.Tensor,
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor | None,
+) -> None:
+    """Pass B: grad_W (and grad_b) block by block over the vocabulary, from recomputed logits.
+
+    The row kernel turns each block's ``tokens x cols`` logits into the gradient using the full
+    rows' log-sum-exp (``lse``), and one GEMM over all tokens writes that block of grad_W. A
+    block's logits live in the rows of grad_W that are still unwritten (those after the block)
+    while they are large enough, which makes the early blocks wide; the last ones use a buffer
+    of ``budget_bytes``.
+    """
+    n_rows, vocab = h.shape[0], w.shape[0]
+    gemm_dtype = h.dtype
+    logit_bytes = torch.empty((), dtype=logits_dtype).element_size()
+    row_bytes = grad_weight.shape[1] * grad_weight.element_size()
+    budget_cols = chunk_rows(n_rows, budget_bytes, logit_bytes)
+    buf = None
+    v0 = 0
+    while v0 < vocab:
+        # cols * (tokens * logit_bytes) <= (vocab - v0 - cols) * row_bytes: the tail holds the block.
+        cols = (vocab - v0) * row_bytes // (n_rows * logit_bytes + row_bytes)
+        cols -= cols % 128 if cols >= 256 else 0
+        if cols > budget_cols:
+            v1 = v0 + cols
+            out = _buffer_in(grad_weight[v1:], n_rows, cols, logits_dtype)
+        else:
+            v1 = min(v0 + budget_cols, vocab)
+            if buf is None:
+                buf = torch.empty(n_rows * (v1 - v0), dtype=logits_dtype, device=h.device)
+            out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
+        logits = _logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
+        g = _grad_view(logits, gemm_dtype)
+        row_kernel(
+            logits,
+            labels,
+            opts,
+            grad=g,
+            coef_ce=coef_ce,
+            coef_z=coef_z,
+            lse_in=lse,
+            col_offset=v0,
+            vocab_total=vocab,
+        )
+        _grad_weight_into(grad_weight[v0:v1], g, h)
+        if grad_bias is not None:
+            grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
+        del logits, g, out
+        v0 = v1

@@ -18,21 +18,28 @@ import torch
 from liger_patch import env
 from liger_patch.ops import validation
 from liger_patch.ops.chunked import RowKernel, run_chunks
-from liger_patch.ops.options import LossOptions
+from liger_patch.ops.options import LossOptions, parse_memory_budget
 from liger_patch.ops.torch_ce import ce_rows_torch
 
-DEFAULT_CHUNK_BYTES = 512 * 1024 * 1024
-"""Byte budget of the logits chunk (rows per chunk = budget / (bytes per logit * V): 4 for fp32
-logits, 2 with ``LOGITS_IN_INPUT_DTYPE`` and half inputs). When an fp32 copy of grad_W also fits
-in it, grad_W is accumulated in fp32 across chunks (see ``chunked.run_chunks``)."""
-
-LOGITS_IN_INPUT_DTYPE = False
-"""Store logits chunks in the input dtype instead of fp32 (faster, half the bytes per row, the
-precision of an unpatched half-precision head). Off: being exact is the default. Measured in
-benchmarks/flce.py as ``ours_input_dtype_logits``; see docs/perf-notes.md."""
+DEFAULT_MEMORY_BUDGET: int | str = "default"
+"""The budget a call uses when it passes none and ``LIGER_MEMORY_BUDGET`` is unset (see
+``options.MEMORY_BUDGETS``): 512 MiB."""
 
 Reduction = Literal["mean", "sum", "none"]
 Backend = Literal["auto", "triton", "torch"]
+
+
+def _memory_budget(memory_budget: int | str | None) -> int:
+    """Bytes of the budget: the argument, else ``LIGER_MEMORY_BUDGET`` (read now), else the default."""
+    if memory_budget is not None:
+        return parse_memory_budget(memory_budget)
+    from_env = env.memory_budget()
+    if from_env is None:
+        return parse_memory_budget(DEFAULT_MEMORY_BUDGET)
+    try:
+        return parse_memory_budget(from_env)
+    except ValueError as exc:
+        raise ValueError(f"environment variable LIGER_MEMORY_BUDGET={from_env!r}: {exc}") from None
 
 
 def _triton_available() -> bool:
@@ -97,7 +104,9 @@ def _loss_and_z_loss(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, row_weight, divisor, opts, reduction, backend, budget):
+    def forward(
+        ctx, hidden, weight, bias, labels, row_weight, divisor, opts, reduction, backend, budget, logits_dtype
+    ):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         kernel = _row_kernel(backend)
         # Gradients in the forward, at scale 1, where one scalar will scale them (see module doc).
@@ -116,13 +125,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             need_hidden=need_h,
             need_weight=need_w,
             need_bias=need_b and bias is not None,
-            logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
+            logits_dtype=logits_dtype,
         )
         loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
 
         ctx.save_for_backward(hidden, weight, bias, labels, row_weight, res.lse)
         ctx.pre = (res.grad_hidden, res.grad_weight, res.grad_bias) if precompute else None
         ctx.opts, ctx.reduction, ctx.backend, ctx.budget = opts, reduction, backend, budget
+        ctx.logits_dtype = logits_dtype
         ctx.set_materialize_grads(False)
         return loss, z_loss
 
@@ -138,11 +148,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.pre = None  # scaled in place below, so a second backward must recompute
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
             present = [g for g in grads if g is not None]
-            if present:
-                # One multi-tensor kernel with vectorised access: a plain mul_ by a 0-d CUDA
-                # tensor measured ~1 TB/s on the 1 GB grad_W (docs/perf-notes.md).
+            if ctx.backend == "triton":
+                from liger_patch.ops.triton_scale import scale_
+
+                scale_(present, scale)  # skips the pass on the device when the scale is 1
+            elif present:
                 torch._foreach_mul_(present, scale)
-            return (*grads, None, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None, None)
 
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
         g_loss = zero if grad_loss is None else grad_loss.float()
@@ -162,9 +174,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 need_hidden=need_h,
                 need_weight=need_w,
                 need_bias=need_b and bias is not None,
-                logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
+                logits_dtype=ctx.logits_dtype,
             )
-        return res.grad_hidden, res.grad_weight, res.grad_bias, None, None, None, None, None, None, None
+        return res.grad_hidden, res.grad_weight, res.grad_bias, None, None, None, None, None, None, None, None
 
 
 def _loss_options(
@@ -205,6 +217,8 @@ def fused_linear_cross_entropy(
     logit_scale: float | None = None,
     return_z_loss: bool = False,
     backend: Backend = "auto",
+    memory_budget: int | str | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` without building the logits.
 
@@ -221,8 +235,15 @@ def fused_linear_cross_entropy(
         label_smoothing, z_loss_scale, softcap, logit_scale: see docs/loss.md.
         return_z_loss: also return the z-loss term (reduced like the loss, already inside it).
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
+        memory_budget: working memory the op may use beyond its inputs, outputs and gradients:
+            bytes, a size string ("256MiB"), "default" (512 MiB) or "lean" (32 MiB). ``None``
+            reads ``LIGER_MEMORY_BUDGET``, else "default". Smaller is slower (docs/loss.md).
+        logits_dtype: how logits chunks are stored. ``None``: the input dtype, as an unpatched
+            head stores its logits (the GEMM accumulates in fp32 and rounds once on store).
+            ``torch.float32``: fp32 storage, more exact than an unpatched half-precision model,
+            and slower.
 
-    All arithmetic is fp32; gradients come back in the input dtypes, only for inputs that require
+    Every step after the GEMMs is fp32; gradients come back in the input dtypes, only for inputs that require
     them. When no token is kept the loss is exactly 0, still attached to the graph, and every input
     that requires grad receives a zero gradient. ``torch.compile`` runs this function eagerly
     (a graph break), which keeps its results identical to eager mode.
@@ -230,7 +251,9 @@ def fused_linear_cross_entropy(
     opts = _loss_options(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale)
     validation.check_options(opts, reduction, backend, num_items_in_batch)
     validation.check_tensors(hidden, weight, labels, bias)
+    budget = _memory_budget(memory_budget)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    validation.check_logits_dtype(logits_dtype, hidden.dtype)
     lead_shape = labels.shape
     h2d = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
@@ -256,7 +279,8 @@ def fused_linear_cross_entropy(
                 opts,
                 reduction,
                 chosen,
-                DEFAULT_CHUNK_BYTES,
+                budget,
+                logits_dtype,
             )
         else:  # forward work only: no gradient buffers, no gradient pass
             res = run_chunks(
@@ -266,8 +290,8 @@ def fused_linear_cross_entropy(
                 bias,
                 flat_labels,
                 opts,
-                budget_bytes=DEFAULT_CHUNK_BYTES,
-                logits_in_input_dtype=LOGITS_IN_INPUT_DTYPE,
+                budget_bytes=budget,
+                logits_dtype=logits_dtype,
             )
             loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
     if reduction == "none":
@@ -295,6 +319,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         logit_scale: float | None = None,
         return_z_loss: bool = False,
         backend: Backend = "auto",
+        memory_budget: int | str | None = None,
+        logits_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_items_in_batch = num_items_in_batch
@@ -307,8 +333,12 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             logit_scale=logit_scale,
             return_z_loss=return_z_loss,
             backend=backend,
+            memory_budget=memory_budget,
+            logits_dtype=logits_dtype,
         )
         validation.check_options(_loss_options(**self.options), reduction, backend, num_items_in_batch)
+        if memory_budget is not None:
+            parse_memory_budget(memory_budget)
 
     def forward(
         self,

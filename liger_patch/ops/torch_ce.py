@@ -1,7 +1,7 @@
 """Row kernel in plain PyTorch: the CPU default and the readable statement of the math.
 
 It has the same contract as the Triton row kernel (``triton_ce.ce_rows_triton``): given one chunk
-of fp32 logits ``x = W h + b`` it returns the per-row cross-entropy and log-sum-exp and, when
+of logits ``x = W h + b`` it returns the per-row cross-entropy and log-sum-exp and, when
 row coefficients are given, writes d(loss)/dx into ``grad``.
 """
 
@@ -20,17 +20,27 @@ def ce_rows_torch(
     coef_ce: torch.Tensor | None = None,
     coef_z: torch.Tensor | None = None,
     lse_in: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss terms of a (rows, V) fp32 logits chunk.
+    col_offset: int = 0,
+    vocab_total: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-row loss terms of a (rows, V) logits chunk (any float dtype; the math is fp32).
 
     Returns ``(ce, lse)``, both 0 at ignored rows. With ``grad`` given, writes
     ``coef_ce[i] * d ce_i / dx + coef_z[i] * d lse_i^2 * z_loss_scale / dx`` into it (any dtype;
-    it may alias ``logits``). ``lse_in`` is accepted for interface parity and not needed here.
+    it may alias ``logits``).
+
+    With ``lse_in`` (the full rows' log-sum-exp) the chunk may be a block of columns
+    ``[col_offset, col_offset + V)`` of rows of ``vocab_total`` logits; only the gradient is
+    computed then, and ``(None, lse_in)`` is returned, as the Triton kernel does.
     """
-    del lse_in
     vocab = logits.shape[-1]
+    vocab_total = vocab_total or vocab
+    if (col_offset or vocab_total != vocab) and lse_in is None:
+        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
     keep = labels != opts.ignore_index
-    safe_labels = torch.where(keep, labels, 0).unsqueeze(-1)
+    local = labels - col_offset
+    in_block = keep & (local >= 0) & (local < vocab)
+    safe_labels = torch.where(in_block, local, 0).unsqueeze(-1)
 
     x = logits.float()
     if opts.logit_scale is not None:
@@ -40,19 +50,23 @@ def ce_rows_torch(
         z = opts.softcap * tanh
     else:
         z = x
-    lse = torch.logsumexp(z, dim=-1)
-    ce = lse - z.gather(-1, safe_labels).squeeze(-1)
-    if opts.label_smoothing:
-        eps = opts.label_smoothing
-        ce = (1.0 - eps) * ce + eps * (lse - z.mean(dim=-1))
+    if lse_in is None:
+        lse = torch.logsumexp(z, dim=-1)
+        ce = lse - z.gather(-1, safe_labels).squeeze(-1)
+        if opts.label_smoothing:
+            eps = opts.label_smoothing
+            ce = (1.0 - eps) * ce + eps * (lse - z.mean(dim=-1))
+    else:
+        lse, ce = torch.where(keep, lse_in, 0.0), None
 
     if grad is not None:
         # d ce / dz = softmax - (1-eps) onehot(y) - eps/V ;  d (s lse^2) / dz = 2 s lse softmax
         coef_p = coef_ce + 2.0 * opts.z_loss_scale * lse * coef_z
         g = torch.exp(z - lse.unsqueeze(-1)) * coef_p.unsqueeze(-1)
-        g.scatter_add_(-1, safe_labels, -(coef_ce * (1.0 - opts.label_smoothing)).unsqueeze(-1))
+        at_label = torch.where(in_block, coef_ce * (1.0 - opts.label_smoothing), 0.0)
+        g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
         if opts.label_smoothing:
-            g -= (coef_ce * (opts.label_smoothing / vocab)).unsqueeze(-1)
+            g -= (coef_ce * (opts.label_smoothing / vocab_total)).unsqueeze(-1)
         if opts.softcap is not None:
             g *= 1.0 - tanh * tanh
         if opts.logit_scale is not None:
@@ -60,5 +74,7 @@ def ce_rows_torch(
         g = torch.where(keep.unsqueeze(-1), g, 0.0)
         grad.copy_(g)
 
+    if ce is None:
+        return None, lse_in
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
     return torch.where(keep, ce, zero), torch.where(keep, lse, zero)

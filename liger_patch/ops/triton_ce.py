@@ -32,6 +32,8 @@ def _ce_rows_kernel(
     stride_logits,
     stride_grad,
     V,
+    col_offset,
+    V_total,
     ignore_index,
     logit_scale,
     softcap,
@@ -101,7 +103,8 @@ def _ce_rows_kernel(
             # d ce/dz = p - (1-eps) onehot - eps/V ; d(zs lse^2)/dz = 2 zs lse p
             coef_p = coef_ce + 2.0 * z_loss_scale * lse * coef_z
             at_label = coef_ce * (1.0 - smoothing)
-            flat = coef_ce * smoothing / V
+            flat = coef_ce * smoothing / V_total
+            label_col = label - col_offset  # this chunk may be a block of columns [col_offset, +V)
             for start in range(0, V, BLOCK_V):
                 cols = start + offsets
                 mask = cols < V
@@ -112,7 +115,7 @@ def _ce_rows_kernel(
                     t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0
                     z = softcap * t
                 g = coef_p * tl.exp(z - lse) - flat
-                g = tl.where(cols == label, g - at_label, g)
+                g = tl.where(cols == label_col, g - at_label, g)
                 if HAS_SOFTCAP:
                     g = g * (1.0 - t * t)
                 if HAS_SCALE:
@@ -148,6 +151,8 @@ def ce_rows_triton(
     coef_ce: torch.Tensor | None = None,
     coef_z: torch.Tensor | None = None,
     lse_in: torch.Tensor | None = None,
+    col_offset: int = 0,
+    vocab_total: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Same contract as ``torch_ce.ce_rows_torch``.
 
@@ -156,6 +161,8 @@ def ce_rows_triton(
     narrower dtype (a view of the same storage with the same row start); see ``chunked``.
     """
     rows, vocab = logits.shape
+    if (col_offset or (vocab_total or vocab) != vocab) and lse_in is None:
+        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
     if rows == 0:
         return logits.new_zeros(0), logits.new_zeros(0)
     interpret = env.triton_interpret()
@@ -184,6 +191,8 @@ def ce_rows_triton(
         logits.stride(0),
         grad.stride(0) if compute_grad else 0,
         vocab,
+        col_offset,
+        vocab_total or vocab,
         opts.ignore_index,
         opts.scale,
         float(opts.softcap or 1.0),

@@ -13,6 +13,15 @@ BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_logits_dtype(logits_dtype: object, input_dtype: torch.dtype) -> None:
+    """``logits_dtype`` is None (the input dtype), fp32, or the input dtype itself."""
+    if logits_dtype is None or logits_dtype in (torch.float32, input_dtype):
+        return
+    raise ValueError(
+        f"logits_dtype must be None (the input dtype, {input_dtype}) or torch.float32, got {logits_dtype!r}"
+    )
+
+
 def check_options(opts: LossOptions, reduction: str, backend: str, num_items_in_batch: object) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; expected one of {REDUCTIONS}")

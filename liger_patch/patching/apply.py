@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
+from liger_patch.ops.options import parse_memory_budget
 from liger_patch.patching.forward import (
     STATE_ATTR,
     PatchState,
@@ -67,11 +68,21 @@ def _unsupported(what: str, hint: str, strict: bool) -> None:
     warnings.warn(message + " The model is left unpatched.", UserWarning, stacklevel=3)
 
 
-def _validate_options(z_loss_scale: float, label_smoothing: float) -> None:
+_OPTION_NAMES = ("z_loss_scale", "label_smoothing", "memory_budget")
+
+
+def _validate_options(z_loss_scale: float, label_smoothing: float, memory_budget: int | str | None) -> None:
     if not z_loss_scale >= 0.0:
         raise ValueError(f"z_loss_scale must be >= 0, got {z_loss_scale!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if memory_budget is not None:
+        parse_memory_budget(memory_budget)
+
+
+def _set_options(state: PatchState, options: dict[str, Any]) -> None:
+    for name in _OPTION_NAMES:
+        setattr(state, name, options[name])
 
 
 def _own_state(obj: Any) -> PatchState | None:
@@ -79,16 +90,18 @@ def _own_state(obj: Any) -> PatchState | None:
     return vars(obj).get(STATE_ATTR)
 
 
-def _install(obj: Any, spec: ModelSpec, z_loss_scale: float, label_smoothing: float) -> None:
+def _install(obj: Any, spec: ModelSpec, options: dict[str, Any]) -> None:
     """Give ``obj`` (a class or an instance) the generic forward and a PatchState; idempotent."""
     state = _own_state(obj)
     if state is not None:  # already patched here: only the options change, the wrapper is not stacked
-        state.spec, state.z_loss_scale, state.label_smoothing = spec, z_loss_scale, label_smoothing
+        state.spec = spec
+        _set_options(state, options)
         return
     is_class = isinstance(obj, type)
     had_own_forward = "forward" in vars(obj)
     previous = vars(obj).get("forward")
-    state = PatchState(spec, z_loss_scale, label_smoothing, had_own_forward, previous)
+    state = PatchState(spec, had_own_forward=had_own_forward, previous_forward=previous)
+    _set_options(state, options)
     if is_class:
         if not is_liger_forward(obj.forward):  # a subclass of a patched class inherits the wrapper
             obj.forward = make_liger_forward(obj.forward)
@@ -110,21 +123,21 @@ def _install(obj: Any, spec: ModelSpec, z_loss_scale: float, label_smoothing: fl
     setattr(obj, STATE_ATTR, state)
 
 
-def _patch_class(cls: type, strict: bool, z_loss_scale: float, label_smoothing: float) -> None:
+def _patch_class(cls: type, strict: bool, options: dict[str, Any]) -> None:
     spec = spec_for(cls)
     if spec is None:
         _unsupported(f"class {cls.__module__}.{cls.__qualname__}", _how_to_register(cls), strict)
         return
-    _install(cls, spec, z_loss_scale, label_smoothing)
+    _install(cls, spec, options)
 
 
-def _patch_instance(model: nn.Module, strict: bool, z_loss_scale: float, label_smoothing: float) -> None:
+def _patch_instance(model: nn.Module, strict: bool, options: dict[str, Any]) -> None:
     cls = type(model)
     spec = spec_for(cls)
     if spec is None:
         _unsupported(f"class {cls.__module__}.{cls.__qualname__}", _how_to_register(cls), strict)
         return
-    _install(model, spec, z_loss_scale, label_smoothing)
+    _install(model, spec, options)
     head, reason = fusable_head(model, spec)
     state = _own_state(model)
     if head is None and state is not None and not state.warned_unfusable_head:
@@ -137,6 +150,7 @@ def apply_liger_to(
     *,
     z_loss_scale: float = 0.0,
     label_smoothing: float = 0.0,
+    memory_budget: int | str | None = None,
     strict: bool = True,
 ) -> Target:
     """Swap a causal LM's head + cross-entropy for the fused linear cross-entropy.
@@ -148,10 +162,14 @@ def apply_liger_to(
 
     ``z_loss_scale`` adds ``z_loss_scale * logsumexp^2`` per token (reported as
     ``outputs.z_loss``); ``label_smoothing`` smooths the targets. Both act in the fused path
-    only. With ``strict=True`` an architecture without a registry row raises
-    :class:`UnsupportedModelError`; with ``strict=False`` it warns and leaves the model as is.
+    only. ``memory_budget`` is the fused loss's working-memory budget (bytes, ``"256MiB"``,
+    ``"default"`` or ``"lean"``; ``None`` reads ``LIGER_MEMORY_BUDGET`` on every call, else 512 MiB;
+    see :func:`liger_patch.fused_linear_cross_entropy`). With ``strict=True`` an architecture
+    without a registry row raises :class:`UnsupportedModelError`; with ``strict=False`` it warns
+    and leaves the model as is.
     """
-    _validate_options(z_loss_scale, label_smoothing)
+    _validate_options(z_loss_scale, label_smoothing, memory_budget)
+    options = dict(z_loss_scale=z_loss_scale, label_smoothing=label_smoothing, memory_budget=memory_budget)
     if isinstance(target, str):
         spec = spec_for_model_type(target)
         cls = spec.resolve_class() if spec is not None else None
@@ -165,11 +183,11 @@ def apply_liger_to(
             )
             _unsupported(f"model_type {target!r}", hint, strict)
             return target
-        _install(cls, spec, z_loss_scale, label_smoothing)
+        _install(cls, spec, options)
     elif isinstance(target, type):
-        _patch_class(target, strict, z_loss_scale, label_smoothing)
+        _patch_class(target, strict, options)
     elif isinstance(target, nn.Module):
-        _patch_instance(base_model_of(target), strict, z_loss_scale, label_smoothing)
+        _patch_instance(base_model_of(target), strict, options)
     else:
         raise TypeError(
             "apply_liger_to expects a model, a model class or a model_type string, "
@@ -229,7 +247,9 @@ def liger_patched(target: Target, **options: Any) -> Iterator[Target]:
     elif not isinstance(target, type):
         obj = base_model_of(target)
     before = _own_state(obj) if obj is not None else None
-    saved = (before.spec, before.z_loss_scale, before.label_smoothing) if before is not None else None
+    saved = None
+    if before is not None:
+        saved = before.spec, {name: getattr(before, name) for name in _OPTION_NAMES}
     apply_liger_to(target, **options)
     try:
         yield target
@@ -237,4 +257,5 @@ def liger_patched(target: Target, **options: Any) -> Iterator[Target]:
         if saved is None:
             revert_liger(target)
         else:
-            before.spec, before.z_loss_scale, before.label_smoothing = saved
+            before.spec = saved[0]
+            _set_options(before, saved[1])

@@ -85,13 +85,14 @@ class ZLossTracker:
 class PatchState:
     """What ``apply_liger_to`` attaches to a patched model or class.
 
-    ``spec`` is the registry row; the two loss options are the user's; ``previous_forward`` is
+    ``spec`` is the registry row; the loss options are the user's; ``previous_forward`` is
     what ``revert_liger`` puts back (``None`` when the object had no forward of its own).
     """
 
     spec: ModelSpec
     z_loss_scale: float = 0.0
     label_smoothing: float = 0.0
+    memory_budget: int | str | None = None
     had_own_forward: bool = False
     previous_forward: Any = None
     z_loss_tracker: ZLossTracker = field(default_factory=ZLossTracker)
@@ -303,6 +304,7 @@ def fused_causal_lm_forward(
         softcap=spec.softcap(config),
         logit_scale=spec.logit_scale(config),
         return_z_loss=want_z_loss,
+        memory_budget=state.memory_budget,
     )
     loss, z_loss = result if want_z_loss else (result, None)
     if z_loss is not None and model.training:

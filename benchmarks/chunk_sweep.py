@@ -1,0 +1,165 @@
+"""Chunking experiments behind the memory-budget option (docs/perf-notes.md), on one GPU.
+
+For each shape: the three-GEMM floor, then the whole op (fwd+bwd, bf16) at several memory
+budgets with logits chunks stored in fp32 or in the input dtype, and a prototype of the
+vocabulary-chunked gradient pass (token chunks give grad_h; vocabulary chunks recompute the
+logits and give each grad_W block in one GEMM with K = N, so grad_W is never re-read).
+
+    python benchmarks/chunk_sweep.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from flce import SHAPES, fwd_bwd, make_inputs, measure_memory, time_floor
+
+from liger_patch.ops import fused_linear_ce
+from liger_patch.ops.chunked import run_chunks
+from liger_patch.ops.options import LossOptions
+from liger_patch.ops.triton_ce import ce_rows_triton
+
+MiB = 1024 * 1024
+
+
+def bench(fn, rep: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, rep=rep, return_mode="median")
+
+
+def op_with(budget_mib: int, input_dtype_logits: bool):
+    def fn(hidden, weight, labels):
+        return fused_linear_ce.fused_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            memory_budget=budget_mib * MiB,
+            logits_dtype=None if input_dtype_logits else torch.float32,
+        )
+
+    return fn
+
+
+@torch.no_grad()
+def vocab_pass_prototype(hidden, weight, labels, budget_mib: int):
+    """grad_h from token chunks, then grad_W block by block from recomputed (N, Vc) logits."""
+    n, _ = hidden.shape
+    v = weight.shape[0]
+    opts = LossOptions()
+    coef = torch.full((n,), 1.0 / n, device="cuda")
+    res = run_chunks(
+        ce_rows_triton,
+        hidden,
+        weight,
+        None,
+        labels,
+        opts,
+        budget_bytes=budget_mib * MiB,
+        coef_ce=coef,
+        coef_z=coef,
+        need_hidden=True,
+        two_pass=False,
+    )
+    grad_w = torch.empty_like(weight)
+    cols = max(128, (budget_mib * MiB // (2 * n)) // 128 * 128)
+    for v0 in range(0, v, cols):
+        v1 = min(v0 + cols, v)
+        logits = hidden @ weight[v0:v1].t()
+        # Timing stand-in for the offset-aware gradient kernel: same bytes, same row lengths.
+        ce_rows_triton(logits, labels, opts, grad=logits, coef_ce=coef, coef_z=coef, lse_in=res.lse)
+        torch.mm(logits.t(), hidden, out=grad_w[v0:v1])
+    return res.grad_hidden, grad_w
+
+
+def gemm_efficiency(hidden, weight, rep: int) -> dict:
+    """Per-chunk GEMM2 (grad_h, K = V) and GEMM3 (grad_W += g^T h, K = rows) summed over N,
+    against the same GEMM at full N: how much chunking itself costs cuBLAS."""
+    n = hidden.shape[0]
+    out = {}
+    for rows in (512, 1024, 2048, 4096):
+        if rows > n:
+            continue
+        g = torch.randn(rows, weight.shape[0], device="cuda", dtype=hidden.dtype) * 1e-3
+        gh = torch.empty(rows, hidden.shape[1], device="cuda", dtype=hidden.dtype)
+        acc = torch.empty_like(weight)
+        reps = n // rows
+
+        def g2(g=g, gh=gh, reps=reps):
+            for _ in range(reps):
+                torch.mm(g, weight, out=gh)
+
+        def g3(g=g, acc=acc, reps=reps, rows=rows):
+            torch.mm(g.t(), hidden[:rows], out=acc)
+            for _ in range(reps - 1):
+                acc.addmm_(g.t(), hidden[:rows])
+
+        out[str(rows)] = {"gemm2_ms": bench(g2, rep), "gemm3_ms": bench(g3, rep)}
+        del g, gh, acc
+    gfull = torch.randn(n, weight.shape[0], device="cuda", dtype=hidden.dtype) * 1e-3
+    out["full"] = {
+        "gemm2_ms": bench(lambda: gfull @ weight, rep),
+        "gemm3_ms": bench(lambda: gfull.t() @ hidden, rep),
+    }
+    return out
+
+
+def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
+    n, h, v = SHAPES[name]
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
+    floor = time_floor(hidden.detach(), weight.detach(), rep)
+    row = {"shape": name, "floor_ms": floor, "op": {}, "vocab_pass": {}}
+    row["gemm_chunks"] = gemm_efficiency(hidden.detach(), weight.detach(), rep)
+    torch.cuda.empty_cache()
+    print(name, json.dumps(row["gemm_chunks"]), flush=True)
+    for logits32 in (False, True):
+        for b in budgets:
+            fn = op_with(b, not logits32)
+            fwd_bwd(fn, hidden, weight, labels)
+            ms = bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep)
+            mem = measure_memory(fn, hidden, weight, labels)
+            key = f"{'fp32' if logits32 else 'input'}_logits_{b}MiB"
+            row["op"][key] = {"ms": ms, "x_floor": ms / floor, "extra_mib": mem}
+            print(name, key, f"{ms:.2f} ms {ms / floor:.3f}x {mem:.0f} MiB", flush=True)
+            hidden.grad = weight.grad = None
+            torch.cuda.empty_cache()
+    h0, w0 = hidden.detach(), weight.detach()
+    for b in budgets:
+        vocab_pass_prototype(h0, w0, labels, b)
+        ms = bench(lambda b=b: vocab_pass_prototype(h0, w0, labels, b), rep)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = vocab_pass_prototype(h0, w0, labels, b)
+        torch.cuda.synchronize()
+        mem = (torch.cuda.max_memory_allocated() - base - sum(t.numel() * 2 for t in grads)) / MiB
+        row["vocab_pass"][f"{b}MiB"] = {"ms": ms, "x_floor": ms / floor, "extra_mib": mem}
+        print(name, f"vocab_pass_{b}MiB {ms:.2f} ms {ms / floor:.3f}x {mem:.0f} MiB", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", default="all")
+    parser.add_argument("--budgets", default="32,64,128,256,512,1024")
+    parser.add_argument("--rep-ms", type=int, default=600)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rows = []
+    for name in shapes:
+        rows.append(sweep_shape(name, budgets, args.rep_ms))
+        torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

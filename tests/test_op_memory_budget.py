@@ -1,0 +1,123 @@
+"""The ``memory_budget`` option: how it is given (argument, ``LIGER_MEMORY_BUDGET``, default),
+what it accepts, that it changes only how the work is chunked (never the result), and, on CUDA,
+that the op's working memory stays inside it."""
+
+import pytest
+import torch
+from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case
+
+from liger_patch.ops import chunked
+from liger_patch.ops.options import MEMORY_BUDGETS, parse_memory_budget
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "value, nbytes",
+    [
+        (12345, 12345),
+        ("default", 512 * MiB),
+        ("LEAN", 32 * MiB),
+        ("256MiB", 256 * MiB),
+        (" 1.5 GiB ", int(1.5 * (1 << 30))),
+        ("64mb", 64 * 10**6),
+        ("4096", 4096),
+        ("2KiB", 2048),
+    ],
+)
+def test_parse_memory_budget(value, nbytes):
+    assert parse_memory_budget(value) == nbytes
+
+
+@pytest.mark.parametrize("value", [0, -1, "0MiB", "lots", "12XB", "MiB", "-5MiB", ""])
+def test_bad_memory_budget_values(value):
+    with pytest.raises(ValueError, match="memory_budget"):
+        parse_memory_budget(value)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, None, [1]])
+def test_bad_memory_budget_types(value):
+    with pytest.raises(TypeError, match="memory_budget"):
+        parse_memory_budget(value)
+
+
+def test_presets():
+    assert {"default": 512 * MiB, "lean": 32 * MiB} == MEMORY_BUDGETS
+
+
+@pytest.fixture
+def logits_calls(monkeypatch):
+    """Records the row count of every logits chunk the op builds."""
+    rows = []
+    real = chunked._logits
+
+    def spy(h, *args, **kwargs):
+        rows.append(h.shape[0])
+        return real(h, *args, **kwargs)
+
+    monkeypatch.setattr(chunked, "_logits", spy)
+    return rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_argument_environment_default(gen, device, monkeypatch, logits_calls, backend):
+    """The argument wins; without it the environment variable, read on every call, decides."""
+    case = make_case(gen, (40,), 16, 64, device=device, requires_grad=())
+    monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
+    call_op(case, backend=backend)
+    assert logits_calls == [40]
+    logits_calls.clear()
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(4 * 64 * 8))  # eight fp32 rows
+    call_op(case, backend=backend)
+    assert logits_calls == [8] * 5
+    logits_calls.clear()
+    call_op(case, backend=backend, memory_budget="default")
+    assert logits_calls == [40]
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", "a lot")
+    with pytest.raises(ValueError, match="LIGER_MEMORY_BUDGET='a lot'"):
+        call_op(case, backend=backend)
+
+
+@pytest.mark.parametrize("budget", ["lean", "default", 4 * 50 * 3, 1])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_budget_never_changes_the_result(gen, device, backend, budget):
+    """Budgets from one row of logits up give the reference's values and gradients."""
+    case = make_case(gen, (3, 9), 12, 50, device=device, bias=True)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, memory_budget=budget, z_loss_scale=1e-3)
+
+
+@pytest.mark.parametrize("value", [0, "nope"])
+def test_module_checks_budget_at_construction(value):
+    from liger_patch import FusedLinearCrossEntropyLoss
+
+    with pytest.raises(ValueError, match="memory_budget"):
+        FusedLinearCrossEntropyLoss(memory_budget=value)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("budget_mib", [2, 8, 64])
+@pytest.mark.parametrize("grads", ["all", "hidden"])
+def test_working_memory_stays_in_budget(budget_mib, grads):
+    """Peak memory during forward + backward, beyond inputs, their gradients and per-token
+    vectors, stays within the budget; 2 MiB runs the two-pass path (V=32000 rows are 62.5 KiB)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, h, v = 4096, 512, 32000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    weight.requires_grad_(grads == "all")
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    from liger_patch import fused_linear_cross_entropy
+
+    fused_linear_cross_entropy(hidden, weight, labels, memory_budget=f"{budget_mib}MiB").backward()
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_linear_cross_entropy(hidden, weight, labels, memory_budget=f"{budget_mib}MiB").backward()
+    torch.cuda.synchronize()
+    grads_bytes = hidden.numel() * 2 + (weight.numel() * 2 if grads == "all" else 0)
+    per_token = 16 * 4 * n  # labels, masks, coefficients, ce, lse
+    extra = torch.cuda.max_memory_allocated() - base - grads_bytes - per_token
+    assert extra <= budget_mib * MiB, f"{extra / MiB:.2f} MiB extra with a {budget_mib} MiB budget"
