@@ -142,18 +142,41 @@ def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
     return row
 
 
+def reverse_pass_ab(name: str, rep: int, rounds: int = 3) -> dict:
+    """The whole op (default options) with the row kernel's pass 2 backwards vs forwards,
+    interleaved A/B/A/B so that clock drift hits both alike; medians over the rounds."""
+    from liger_patch.ops import triton_ce
+
+    n, h, v = SHAPES[name]
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
+    fn = fused_linear_ce.fused_linear_cross_entropy
+    times: dict[str, list[float]] = {"backwards": [], "forwards": []}
+    for _ in range(rounds):
+        for label, flag in (("backwards", True), ("forwards", False)):
+            triton_ce.REVERSE_PASS2 = flag
+            fwd_bwd(fn, hidden, weight, labels)
+            times[label].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
+    triton_ce.REVERSE_PASS2 = True
+    out = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+    print(name, "row kernel pass 2", json.dumps(out), flush=True)
+    return {"shape": name, "ms": out, "all": times}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="all")
     parser.add_argument("--budgets", default="32,64,128,256,512,1024")
     parser.add_argument("--rep-ms", type=int, default=600)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--reverse-ab", action="store_true", help="only the pass-2 direction A/B")
     args = parser.parse_args(argv)
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
     rows = []
     for name in shapes:
-        rows.append(sweep_shape(name, budgets, args.rep_ms))
+        rows.append(
+            reverse_pass_ab(name, args.rep_ms) if args.reverse_ab else sweep_shape(name, budgets, args.rep_ms)
+        )
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:

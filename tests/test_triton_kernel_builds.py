@@ -44,7 +44,8 @@ for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in pointers}
     signature.update(logits_ptr=logits_dtype, grad_ptr=grad_dtype, labels_ptr="*i64", **scalars)
     wider = logits_dtype == "*fp32" and grad_dtype != "*fp32"
-    constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, BLOCK_V=8192)
+    constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, REVERSE_PASS2=not wider,
+                      BLOCK_V=8192)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,

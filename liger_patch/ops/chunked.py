@@ -99,10 +99,19 @@ def _logits(
     return out.copy_(res)
 
 
-def _buffer_in(storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """A ``rows x cols`` tensor of ``dtype`` laid over the first bytes of ``storage`` (contiguous)."""
+_ALIGN = 16  # bytes; keeps cuBLAS on its vectorised kernels and any dtype view legal
+
+
+def _buffer_in(
+    storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, at_end: bool = False
+) -> torch.Tensor:
+    """A contiguous ``rows x cols`` tensor of ``dtype`` laid over the bytes of ``storage`` (a
+    fresh contiguous tensor): its first bytes, or with ``at_end`` its last ones, starting at a
+    16-byte boundary (so up to 15 bytes before the last ``rows * cols`` elements)."""
+    flat = storage.view(-1).view(torch.uint8)
     nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
-    return storage.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(rows, cols)
+    start = (flat.numel() - nbytes) // _ALIGN * _ALIGN if at_end else 0
+    return flat[start : start + nbytes].view(dtype).view(rows, cols)
 
 
 def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
@@ -319,12 +328,13 @@ def _vocab_pass(
     buf = None
     v0 = 0
     while v0 < vocab:
-        # cols * (tokens * logit_bytes) <= (vocab - v0 - cols) * row_bytes: the tail holds the block.
-        cols = (vocab - v0) * row_bytes // (n_rows * logit_bytes + row_bytes)
+        # cols * tokens * logit_bytes + alignment <= (vocab - v0 - cols) * row_bytes: the rows
+        # after the block hold its logits.
+        cols = max(0, (vocab - v0) * row_bytes - _ALIGN) // (n_rows * logit_bytes + row_bytes)
         cols -= cols % 128 if cols >= 256 else 0
         if cols > budget_cols:
             v1 = v0 + cols
-            out = _buffer_in(grad_weight[v1:], n_rows, cols, logits_dtype)
+            out = _buffer_in(grad_weight, n_rows, cols, logits_dtype, at_end=True)
         else:
             v1 = min(v0 + budget_cols, vocab)
             if buf is None:

@@ -1,8 +1,10 @@
 """Triton row kernel: loss terms and d(loss)/d(logits) for one chunk of logits, in one launch.
 
 Each program owns one row (token). Pass 1 streams the row once for an online log-sum-exp (and
-the logit sum for label smoothing); pass 2 streams it again and writes the gradient in place.
-Ignored rows skip both passes and only write zeros. All arithmetic is fp32.
+the logit sum for label smoothing); pass 2 streams it again, backwards so that the part pass 1
+read last is still in L2, and writes the gradient in place. Ignored rows skip both passes and only
+write zeros. All arithmetic is fp32. With the full rows' log-sum-exp given, the chunk may also be a
+block of columns of wider rows (``col_offset``, ``V_total``): only pass 2 runs then.
 
 The kernel is compiled on first use, for the mode ``TRITON_INTERPRET`` names at that moment, so
 the same process can run it on CUDA and, under the interpreter, on CPU tensors.
@@ -18,6 +20,9 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.options import LossOptions
+
+REVERSE_PASS2 = True
+"""Pass 2 walks the row backwards (measured in benchmarks/chunk_sweep.py, docs/perf-notes.md)."""
 
 
 def _ce_rows_kernel(
@@ -45,6 +50,7 @@ def _ce_rows_kernel(
     HAS_LSE: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     GRAD_ALIASES_WIDER: tl.constexpr,
+    REVERSE_PASS2: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -105,7 +111,10 @@ def _ce_rows_kernel(
             at_label = coef_ce * (1.0 - smoothing)
             flat = coef_ce * smoothing / V_total
             label_col = label - col_offset  # this chunk may be a block of columns [col_offset, +V)
-            for start in range(0, V, BLOCK_V):
+            n_blocks = tl.cdiv(V, BLOCK_V)
+            for i in range(0, n_blocks):
+                # Backwards, the blocks pass 1 read last come first, while they are still in L2.
+                start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_PASS2 else i * BLOCK_V
                 cols = start + offsets
                 mask = cols < V
                 z = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -204,6 +213,8 @@ def ce_rows_triton(
         HAS_LSE=has_lse,
         COMPUTE_GRAD=compute_grad,
         GRAD_ALIASES_WIDER=grad_aliases_wider,
+        # In place over wider logits, block k's stores overwrite blocks <= k: forwards only.
+        REVERSE_PASS2=REVERSE_PASS2 and not grad_aliases_wider,
         BLOCK_V=block,
         num_warps=warps,
     )
