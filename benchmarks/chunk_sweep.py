@@ -162,6 +162,29 @@ def reverse_pass_ab(name: str, rep: int, rounds: int = 3) -> dict:
     return {"shape": name, "ms": out, "all": times}
 
 
+def rows_sweep(name: str, rows_list: list[int], rep: int) -> dict:
+    """The whole op (default options) with the token-chunk row count forced, ignoring the budget:
+    how the row count (GEMM wave quantisation, grad_W passes) moves the time."""
+    from liger_patch.ops import chunked
+
+    n, h, v = SHAPES[name]
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
+    fn = fused_linear_ce.fused_linear_cross_entropy
+    real = chunked.chunk_rows
+    out = {}
+    try:
+        for rows in rows_list:
+            chunked.chunk_rows = lambda vocab, budget, eb, rows=rows: (
+                rows if vocab == v else real(vocab, budget, eb)
+            )
+            fwd_bwd(fn, hidden, weight, labels)
+            out[str(rows)] = bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep)
+            print(name, rows, f"{out[str(rows)]:.2f} ms", flush=True)
+    finally:
+        chunked.chunk_rows = real
+    return {"shape": name, "rows_ms": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="all")
@@ -169,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=600)
     parser.add_argument("--out", default=None)
     parser.add_argument("--reverse-ab", action="store_true", help="only the pass-2 direction A/B")
+    parser.add_argument("--rows", default=None, help="comma list: only the forced-row-count sweep")
     args = parser.parse_args(argv)
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
