@@ -198,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     rows = []
     for name in shapes:
-        rows.append(
-            reverse_pass_ab(name, args.rep_ms) if args.reverse_ab else sweep_shape(name, budgets, args.rep_ms)
-        )
+        if args.rows:
+            rows.append(rows_sweep(name, [int(r) for r in args.rows.split(",")], args.rep_ms))
+        elif args.reverse_ab:
+            rows.append(reverse_pass_ab(name, args.rep_ms))
+        else:
+            rows.append(sweep_shape(name, budgets, args.rep_ms))
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:
