@@ -3,7 +3,8 @@
 Each (model, tokens, variant) runs in its own process so that patches and allocator state do
 not leak between variants. Variants: ``unpatched``, ``liger_kernel`` (liger-kernel's fused linear
 cross-entropy patch only: rope, rms_norm, swiglu and its plain cross-entropy off) when it is
-importable, and ``liger_patch`` (ours). Reported: median step time over the timed steps, peak
+importable, ``liger_patch`` (ours) and ``liger_patch_lean`` (ours, ``memory_budget="lean"``).
+Reported: median step time over the timed steps, peak
 memory allocated in the steady state, and the first step's loss (same seed and init for all).
 
     python benchmarks/e2e.py --out e2e.json
@@ -23,7 +24,7 @@ ROWS = {
     "llama1b_16x2048": ("llama", 16, 2048),
     "qwen05b_16x2048": ("qwen2", 16, 2048),
 }
-VARIANTS = ("unpatched", "liger_kernel", "liger_patch")
+VARIANTS = ("unpatched", "liger_kernel", "liger_patch", "liger_patch_lean")
 GiB = 1024**3
 
 
@@ -48,10 +49,10 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
     config = make_config(family)
     with torch.device("cuda"):  # initialise on the GPU: CPU init of 1B parameters takes longer than the run
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if variant == "liger_patch":
+    if variant.startswith("liger_patch"):
         import liger_patch
 
-        liger_patch.apply_liger_to(model)
+        liger_patch.apply_liger_to(model, memory_budget="lean" if variant.endswith("lean") else None)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     gen = torch.Generator(device="cuda").manual_seed(1)

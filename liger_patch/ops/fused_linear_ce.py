@@ -42,6 +42,18 @@ def _memory_budget(memory_budget: int | str | None) -> int:
         raise ValueError(f"environment variable LIGER_MEMORY_BUDGET={from_env!r}: {exc}") from None
 
 
+PER_TOKEN_BYTES = 32
+"""Per-token vectors the op keeps beside its chunks (labels, masks, row weights, loss terms)."""
+SLACK_BYTES = 2 << 20
+"""Allocator rounding and cuBLAS workspace seen beside the chunks on an H200 (about 1 MiB)."""
+
+
+def _working_budget(budget: int, n_tokens: int) -> int:
+    """What the chunk buffers may use: the budget less the per-token vectors and the slack, so
+    that everything the op allocates stays inside ``memory_budget`` (at least one row is kept)."""
+    return max(1, budget - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -237,7 +249,9 @@ def fused_linear_cross_entropy(
         backend: "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch".
         memory_budget: working memory the op may use beyond its inputs, outputs and gradients:
             bytes, a size string ("256MiB"), "default" (512 MiB) or "lean" (32 MiB). ``None``
-            reads ``LIGER_MEMORY_BUDGET``, else "default". Smaller is slower (docs/loss.md).
+            reads ``LIGER_MEMORY_BUDGET``, else "default". Smaller is slower (docs/loss.md). It
+            covers the logits chunks, ~32 bytes per token and 2 MiB of slack; a budget below
+            that still runs, one row of logits at a time.
         logits_dtype: how logits chunks are stored. ``None``: the input dtype, as an unpatched
             head stores its logits (the GEMM accumulates in fp32 and rounds once on store).
             ``torch.float32``: fp32 storage, more exact than an unpatched half-precision model,
@@ -251,7 +265,7 @@ def fused_linear_cross_entropy(
     opts = _loss_options(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale)
     validation.check_options(opts, reduction, backend, num_items_in_batch)
     validation.check_tensors(hidden, weight, labels, bias)
-    budget = _memory_budget(memory_budget)
+    budget = _working_budget(_memory_budget(memory_budget), labels.numel())
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     validation.check_logits_dtype(logits_dtype, hidden.dtype)
     lead_shape = labels.shape
