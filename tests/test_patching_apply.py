@@ -152,3 +152,37 @@ def test_patching_after_an_instance_level_wrapper_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model(**make_batch()).logits is not None
+
+
+def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
+    """apply_liger_to(memory_budget=...) is what the fused loss gets; liger_patched restores the
+    previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time."""
+    from liger_patch.ops import fused_linear_ce
+
+    seen = []
+    real = fused_linear_ce._memory_budget
+
+    def spy(value):
+        seen.append(value)
+        return real(value)
+
+    monkeypatch.setattr(fused_linear_ce, "_memory_budget", spy)
+    model = tiny_model("llama")
+    batch = make_batch()
+    lp.apply_liger_to(model, memory_budget="lean")
+    reference = model(**batch).loss
+    with lp.liger_patched(model, memory_budget=4096):
+        torch.testing.assert_close(model(**batch).loss, reference, rtol=1e-6, atol=1e-6)
+    model(**batch)
+    lp.apply_liger_to(model)
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", "not a size")
+    with pytest.raises(ValueError, match="LIGER_MEMORY_BUDGET"):
+        model(**batch)
+    assert seen == ["lean", 4096, "lean", None]
+
+
+def test_bad_memory_budget_is_refused_at_apply():
+    with pytest.raises(ValueError, match="memory_budget"):
+        lp.apply_liger_to(tiny_model("llama"), memory_budget="huge")
+    with pytest.raises(TypeError, match="memory_budget"):
+        lp.LigerPatchCallback(memory_budget=1.5).on_init_end(None, None, None, model=tiny_model("llama"))
