@@ -35,7 +35,8 @@ def make_config(family: str):
     return LlamaConfig(**LLAMA_3_2_1B) if family == "llama" else Qwen2Config(**QWEN2_5_05B)
 
 
-def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
+def build(row: str, variant: str):
+    """The row's random-init bf16 model with the variant's patch, its AdamW, and one batch of ids."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,6 +58,13 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+    return model, opt, ids
+
+
+def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
+    import torch
+
+    model, opt, ids = build(row, variant)
 
     def step() -> float:
         loss = model(input_ids=ids, labels=ids).loss

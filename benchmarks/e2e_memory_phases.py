@@ -14,30 +14,13 @@ import json
 import sys
 
 import torch
-from e2e import ROWS, make_config
+from e2e import build
 
 GiB = 2**30
 
 
 def main(row: str, variant: str, steps: int = 3) -> None:
-    from transformers import AutoModelForCausalLM
-
-    family, batch, seq = ROWS[row]
-    if variant == "liger_kernel":
-        from liger_kernel import transformers as lk
-
-        patch = lk.apply_liger_kernel_to_llama if family == "llama" else lk.apply_liger_kernel_to_qwen2
-        patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
-    torch.manual_seed(0)
-    config = make_config(family)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    if variant == "liger_patch":
-        import liger_patch
-
-        liger_patch.apply_liger_to(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda")
+    model, opt, ids = build(row, variant)
 
     def mark() -> tuple[float, float]:
         torch.cuda.synchronize()
