@@ -185,6 +185,32 @@ def rows_sweep(name: str, rows_list: list[int], rep: int) -> dict:
     return {"shape": name, "rows_ms": out}
 
 
+LAUNCHES = ((2048, 4), (4096, 8), (8192, 16), (16384, 16), (4096, 4))
+
+
+def launch_ab(name: str, rep: int, rounds: int = 2) -> dict:
+    """The whole op (default options) with the row kernel's (BLOCK_V, num_warps) forced, each
+    config in turn, rounds interleaved; medians over the rounds."""
+    from liger_patch.ops import triton_ce
+
+    n, h, v = SHAPES[name]
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
+    fn = fused_linear_ce.fused_linear_cross_entropy
+    real = triton_ce._launch_config
+    times: dict[str, list[float]] = {f"{b}x{w}": [] for b, w in LAUNCHES}
+    try:
+        for _ in range(rounds):
+            for block, warps in LAUNCHES:
+                triton_ce._launch_config = lambda vocab, interpret, c=(block, warps): c
+                fwd_bwd(fn, hidden, weight, labels)
+                times[f"{block}x{warps}"].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
+    finally:
+        triton_ce._launch_config = real
+    out = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+    print(name, "row kernel launch", json.dumps(out), flush=True)
+    return {"shape": name, "ms": out, "all": times}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="all")
@@ -193,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--reverse-ab", action="store_true", help="only the pass-2 direction A/B")
     parser.add_argument("--rows", default=None, help="comma list: only the forced-row-count sweep")
+    parser.add_argument("--launch-ab", action="store_true", help="only the row-kernel launch-config A/B")
     args = parser.parse_args(argv)
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -200,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in shapes:
         if args.rows:
             rows.append(rows_sweep(name, [int(r) for r in args.rows.split(",")], args.rep_ms))
+        elif args.launch_ab:
+            rows.append(launch_ab(name, args.rep_ms))
         elif args.reverse_ab:
             rows.append(reverse_pass_ab(name, args.rep_ms))
         else:
