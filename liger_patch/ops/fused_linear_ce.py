@@ -2,11 +2,14 @@
 
 Gradient strategy. With reduction "mean"/"sum" the upstream gradient is one scalar, so the
 forward computes the gradients at scale 1 while the logits chunk is hot, and the backward only
-multiplies them by that scalar: three GEMMs per chunk in total. This is skipped for fp16 (a
+multiplies them by that scalar (on Triton, a kernel that reads it on the device and does nothing
+when it is 1): three GEMMs per chunk in total. This is skipped for fp16 (a
 GradScaler's factor must be applied before rounding to fp16, or small gradients underflow) and
 whenever the backward needs something else (a gradient arriving through ``z_loss``, or a second
 backward over a retained graph); then the backward recomputes the logits with exact per-row
 coefficients, which is also the path for reduction "none".
+
+How the work is chunked, within ``memory_budget``, is ``chunked.run_chunks``'s business.
 """
 
 from __future__ import annotations
