@@ -129,6 +129,16 @@ def make_case(
     )
 
 
+def materialize_options(opts: dict, device) -> dict:
+    """Options with num_items_in_batch given as ("tensor", value, dtype) made a tensor on the device
+    (parametrize ids must not hold tensors)."""
+    out = dict(opts)
+    n = out.get("num_items_in_batch")
+    if isinstance(n, tuple):
+        out["num_items_in_batch"] = torch.tensor(n[1], dtype=n[2], device=device)
+    return out
+
+
 def call_op(case: Case, **opts):
     opts.setdefault("ignore_index", case.ignore_index)
     return lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels, case.bias, **opts)

@@ -13,6 +13,7 @@ from op_helpers import (
     call_raw,
     check_parity,
     make_case,
+    materialize_options,
     reference_for,
 )
 from reference import reference_flce
@@ -39,14 +40,6 @@ NOTHING_KEPT_INPUTS = {
     "zero_tokens": (0,),
     "zero_tokens_2d": (3, 0),
 }
-
-
-def _opts(opts, device):
-    out = dict(opts)
-    n = out.get("num_items_in_batch")
-    if isinstance(n, tuple):
-        out["num_items_in_batch"] = torch.tensor(n[1], dtype=n[2], device=device)
-    return out
 
 
 def _check_nothing_kept(case, gen, **opts):
@@ -79,7 +72,9 @@ def _check_nothing_kept(case, gen, **opts):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nothing_kept_is_exact_zero_with_zero_grads(gen, device, backend, inp_id, red_id):
     case = make_case(gen, NOTHING_KEPT_INPUTS[inp_id], 19, 97, device=device, bias=True, ignore="all")
-    _check_nothing_kept(case, gen, backend=backend, **_opts(NOTHING_KEPT_REDUCTIONS[red_id], device))
+    _check_nothing_kept(
+        case, gen, backend=backend, **materialize_options(NOTHING_KEPT_REDUCTIONS[red_id], device)
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

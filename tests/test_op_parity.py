@@ -8,7 +8,7 @@ tensor for "none"), so a gradient that ignores grad_output fails.
 
 import pytest
 import torch
-from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case
+from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, materialize_options
 
 COMBINED = dict(label_smoothing=0.15, z_loss_scale=2e-2, softcap=4.0, logit_scale=1.6, return_z_loss=True)
 
@@ -43,15 +43,6 @@ OPTION_CASES = {
 }
 
 
-def _materialize(op_kwargs, device):
-    """num_items_in_batch given as ("tensor", value, dtype) becomes a tensor on the device."""
-    out = dict(op_kwargs)
-    n = out.get("num_items_in_batch")
-    if isinstance(n, tuple):
-        out["num_items_in_batch"] = torch.tensor(n[1], dtype=n[2], device=device)
-    return out
-
-
 @pytest.mark.parametrize("case_id", list(OPTION_CASES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_option_parity_fp32(gen, device, chunk_rows, backend, case_id):
@@ -59,7 +50,7 @@ def test_option_parity_fp32(gen, device, chunk_rows, backend, case_id):
     V = 97
     chunk_rows(3, V)  # 37 tokens -> 12 full chunks + a remainder of 1
     case = make_case(gen, (37,), 19, V, device=device, **case_kw)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **_materialize(op_kw, device))
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **materialize_options(op_kw, device))
 
 
 @pytest.mark.parametrize("case_id", ["plain", "bias", "reduction_none", "combined_mean", "combined_none"])
@@ -72,7 +63,7 @@ def test_dtype_parity(gen, device, chunk_rows, backend, dtype, case_id):
     V = 131
     chunk_rows(4, V)
     case = make_case(gen, (2, 11), 19, V, dtype=dtype, device=device, **case_kw)
-    check_parity(case, gen, tol=TOL[dtype], backend=backend, **_materialize(op_kw, device))
+    check_parity(case, gen, tol=TOL[dtype], backend=backend, **materialize_options(op_kw, device))
 
 
 # (leading shape, H, V, chunk rows or None for a single chunk)
