@@ -121,17 +121,23 @@ def _buffer_in(
     return flat[start : start + nbytes].view(dtype).view(rows, cols)
 
 
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, written straight into ``out`` when the dtypes match (CUDA), else rounded
+    into it from the fp32 product (CPU, whose GEMMs run in fp32)."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
 def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
     """``acc (+)= g^T h``; ``first`` overwrites instead of adding (no zero-fill needed)."""
-    if g.dtype == acc.dtype:
-        if first:
-            torch.mm(g.t(), h, out=acc)
-        else:
-            acc.addmm_(g.t(), h)
+    if first:
+        _mm_into(acc, g.t(), h)
+    elif g.dtype == acc.dtype:
+        acc.addmm_(g.t(), h)
     elif acc.dtype == torch.float32 and _has_out_dtype_mm(g.device.type):
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
-    elif first:
-        acc.copy_(g.t() @ h)
     else:
         acc.add_(g.t() @ h)
 
@@ -146,21 +152,6 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if logits.element_size() > torch.empty((), dtype=dtype).element_size():
         return logits.view(dtype)[:, : logits.shape[1]]
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
-
-
-def _grad_hidden_into(out: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> None:
-    if g.dtype == out.dtype:
-        torch.mm(g, w, out=out)
-    else:
-        out.copy_(g @ w)
-
-
-def _grad_weight_into(out: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``out = g^T h`` for one vocabulary block: a single GEMM over all tokens, rounded once."""
-    if g.dtype == out.dtype:
-        torch.mm(g.t(), h, out=out)
-    else:
-        out.copy_(g.t() @ h)
 
 
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
@@ -270,7 +261,7 @@ def run_chunks(
         if g is None:
             continue
         if grad_hidden is not None:
-            _grad_hidden_into(grad_hidden[start:stop], g, w)
+            _mm_into(grad_hidden[start:stop], g, w)
         if not two_pass:
             if grad_weight is not None:
                 _accumulate_grad_weight(grad_weight, g, h, start == 0 and overwrite_first)
@@ -360,7 +351,7 @@ def _vocab_pass(
             col_offset=v0,
             vocab_total=vocab,
         )
-        _grad_weight_into(grad_weight[v0:v1], g, h)
+        _mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
         if grad_bias is not None:
             grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
         del logits, g, out
