@@ -10,8 +10,11 @@ import time
 import torch
 
 from liger_patch import env
-from liger_patch.ops.fused_linear_ce import DEFAULT_MEMORY_BUDGET, fused_linear_cross_entropy, resolve_backend
-from liger_patch.ops.options import parse_memory_budget
+from liger_patch.ops.fused_linear_ce import (
+    fused_linear_cross_entropy,
+    resolve_backend,
+    resolve_memory_budget,
+)
 
 
 def _version(module: str) -> str:
@@ -88,14 +91,12 @@ def run_doctor() -> int:
         f"TRITON_INTERPRET={'1' if env.triton_interpret() else 'unset'}  "
         f"LIGER_RETURN_LOGITS={'1' if env.return_logits() else 'unset'}"
     )
-    budget = env.memory_budget()
-    try:
-        nbytes = parse_memory_budget(budget or DEFAULT_MEMORY_BUDGET)
-        shown = f"{nbytes / 2**20:g} MiB"
-    except (TypeError, ValueError) as exc:
-        print(f"memory budget INVALID: LIGER_MEMORY_BUDGET={budget!r}: {exc}")
+    try:  # what a call that passes no memory_budget gets
+        nbytes = resolve_memory_budget(None)
+    except ValueError as exc:
+        print(f"memory budget INVALID: {exc}")
         return 1
-    print(f"memory budget {shown} (LIGER_MEMORY_BUDGET={budget if budget else 'unset'})")
+    print(f"memory budget {nbytes / 2**20:g} MiB (LIGER_MEMORY_BUDGET={env.memory_budget() or 'unset'})")
     chosen = resolve_backend("auto", device)
     print(f"backend=auto  -> {chosen} ({_why_backend(device, chosen)})")
 

@@ -160,13 +160,13 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     from liger_patch.ops import fused_linear_ce
 
     seen = []
-    real = fused_linear_ce._memory_budget
+    real = fused_linear_ce.resolve_memory_budget
 
     def spy(value):
         seen.append(value)
         return real(value)
 
-    monkeypatch.setattr(fused_linear_ce, "_memory_budget", spy)
+    monkeypatch.setattr(fused_linear_ce, "resolve_memory_budget", spy)
     model = tiny_model("llama")
     batch = make_batch()
     lp.apply_liger_to(model, memory_budget="lean")

@@ -32,7 +32,7 @@ Reduction = Literal["mean", "sum", "none"]
 Backend = Literal["auto", "triton", "torch"]
 
 
-def _memory_budget(memory_budget: int | str | None) -> int:
+def resolve_memory_budget(memory_budget: int | str | None) -> int:
     """Bytes of the budget: the argument, else ``LIGER_MEMORY_BUDGET`` (read now), else the default."""
     if memory_budget is not None:
         return parse_memory_budget(memory_budget)
@@ -268,7 +268,7 @@ def fused_linear_cross_entropy(
     opts = _loss_options(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale)
     validation.check_options(opts, reduction, backend, num_items_in_batch)
     validation.check_tensors(hidden, weight, labels, bias)
-    budget = _working_budget(_memory_budget(memory_budget), labels.numel())
+    budget = _working_budget(resolve_memory_budget(memory_budget), labels.numel())
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     validation.check_logits_dtype(logits_dtype, hidden.dtype)
     lead_shape = labels.shape
