@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.validation import check_column_block
 
 
 def ce_rows_torch(
@@ -34,9 +35,8 @@ def ce_rows_torch(
     computed then, and ``(None, lse_in)`` is returned, as the Triton kernel does.
     """
     vocab = logits.shape[-1]
+    check_column_block(vocab, col_offset, vocab_total, lse_in is not None)
     vocab_total = vocab_total or vocab
-    if (col_offset or vocab_total != vocab) and lse_in is None:
-        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
     keep = labels != opts.ignore_index
     local = labels - col_offset
     in_block = keep & (local >= 0) & (local < vocab)

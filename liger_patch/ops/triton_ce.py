@@ -20,6 +20,7 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.validation import check_column_block
 
 REVERSE_PASS2 = True
 """Pass 2 walks the row backwards (measured in benchmarks/chunk_sweep.py, docs/perf-notes.md)."""
@@ -170,8 +171,7 @@ def ce_rows_triton(
     narrower dtype (a view of the same storage with the same row start); see ``chunked``.
     """
     rows, vocab = logits.shape
-    if (col_offset or (vocab_total or vocab) != vocab) and lse_in is None:
-        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
+    check_column_block(vocab, col_offset, vocab_total, lse_in is not None)
     if rows == 0:
         return logits.new_zeros(0), logits.new_zeros(0)
     interpret = env.triton_interpret()

@@ -13,6 +13,13 @@ BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_column_block(vocab: int, col_offset: int, vocab_total: int | None, has_lse: bool) -> None:
+    """A row kernel given a block of columns of wider rows cannot compute those rows'
+    log-sum-exp: it must be given it (``lse_in``)."""
+    if (col_offset or (vocab_total or vocab) != vocab) and not has_lse:
+        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
+
+
 def check_logits_dtype(logits_dtype: object, input_dtype: torch.dtype) -> None:
     """``logits_dtype`` is None (the input dtype), fp32, or the input dtype itself."""
     if logits_dtype is None or logits_dtype in (torch.float32, input_dtype):
