@@ -142,73 +142,58 @@ def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
     return row
 
 
-def reverse_pass_ab(name: str, rep: int, rounds: int = 3) -> dict:
-    """The whole op (default options) with the row kernel's pass 2 backwards vs forwards,
-    interleaved A/B/A/B so that clock drift hits both alike; medians over the rounds."""
-    from liger_patch.ops import triton_ce
-
+def compare_settings(name: str, rep: int, module, attr: str, values: dict, rounds: int) -> dict:
+    """The whole op (default options) with ``module.attr`` set to each of ``values`` in turn,
+    rounds interleaved (A/B/A/B) so that clock drift hits every setting alike; the attribute is
+    put back afterwards. Returns per-setting medians over the rounds and every time."""
     n, h, v = SHAPES[name]
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
     fn = fused_linear_ce.fused_linear_cross_entropy
-    times: dict[str, list[float]] = {"backwards": [], "forwards": []}
-    for _ in range(rounds):
-        for label, flag in (("backwards", True), ("forwards", False)):
-            triton_ce.REVERSE_PASS2 = flag
-            fwd_bwd(fn, hidden, weight, labels)
-            times[label].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
-    triton_ce.REVERSE_PASS2 = True
-    out = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
-    print(name, "row kernel pass 2", json.dumps(out), flush=True)
-    return {"shape": name, "ms": out, "all": times}
+    real = getattr(module, attr)
+    times: dict[str, list[float]] = {label: [] for label in values}
+    try:
+        for _ in range(rounds):
+            for label, value in values.items():
+                setattr(module, attr, value)
+                fwd_bwd(fn, hidden, weight, labels)
+                times[label].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
+    finally:
+        setattr(module, attr, real)
+    medians = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+    print(name, attr, json.dumps(medians), flush=True)
+    return {"shape": name, "ms": medians, "all": times}
+
+
+def reverse_pass_ab(name: str, rep: int) -> dict:
+    """The row kernel's pass 2 backwards vs forwards, three rounds."""
+    from liger_patch.ops import triton_ce
+
+    return compare_settings(name, rep, triton_ce, "REVERSE_PASS2", {"backwards": True, "forwards": False}, 3)
 
 
 def rows_sweep(name: str, rows_list: list[int], rep: int) -> dict:
-    """The whole op (default options) with the token-chunk row count forced, ignoring the budget:
-    how the row count (GEMM wave quantisation, grad_W passes) moves the time."""
+    """The token-chunk row count forced, ignoring the budget: how the row count (GEMM wave
+    quantisation, grad_W passes) moves the time. One round."""
     from liger_patch.ops import chunked
 
-    n, h, v = SHAPES[name]
-    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
-    fn = fused_linear_ce.fused_linear_cross_entropy
-    real = chunked.chunk_rows
-    out = {}
-    try:
-        for rows in rows_list:
-            chunked.chunk_rows = lambda vocab, budget, eb, rows=rows: (
-                rows if vocab == v else real(vocab, budget, eb)
-            )
-            fwd_bwd(fn, hidden, weight, labels)
-            out[str(rows)] = bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep)
-            print(name, rows, f"{out[str(rows)]:.2f} ms", flush=True)
-    finally:
-        chunked.chunk_rows = real
-    return {"shape": name, "rows_ms": out}
+    vocab_of_shape, real = SHAPES[name][2], chunked.chunk_rows
+
+    def forced(rows: int):
+        return lambda vocab, budget, eb: rows if vocab == vocab_of_shape else real(vocab, budget, eb)
+
+    res = compare_settings(name, rep, chunked, "chunk_rows", {str(r): forced(r) for r in rows_list}, 1)
+    return {"shape": name, "rows_ms": res["ms"]}
 
 
 LAUNCHES = ((2048, 4), (4096, 8), (8192, 16), (16384, 16), (4096, 4))
 
 
-def launch_ab(name: str, rep: int, rounds: int = 2) -> dict:
-    """The whole op (default options) with the row kernel's (BLOCK_V, num_warps) forced, each
-    config in turn, rounds interleaved; medians over the rounds."""
+def launch_ab(name: str, rep: int) -> dict:
+    """The row kernel's (BLOCK_V, num_warps) forced to each of ``LAUNCHES``, two rounds."""
     from liger_patch.ops import triton_ce
 
-    n, h, v = SHAPES[name]
-    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
-    fn = fused_linear_ce.fused_linear_cross_entropy
-    real = triton_ce._launch_config
-    times: dict[str, list[float]] = {f"{b}x{w}": [] for b, w in LAUNCHES}
-    try:
-        for _ in range(rounds):
-            for block, warps in LAUNCHES:
-                triton_ce._launch_config = lambda vocab, interpret, c=(block, warps): c
-                fwd_bwd(fn, hidden, weight, labels)
-                times[f"{block}x{warps}"].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
-    finally:
-        triton_ce._launch_config = real
-    out = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
-    print(name, "row kernel launch", json.dumps(out), flush=True)
-    return {"shape": name, "ms": out, "all": times}
+    configs = {f"{b}x{w}": (lambda vocab, interpret, c=(b, w): c) for b, w in LAUNCHES}
+    return compare_settings(name, rep, triton_ce, "_launch_config", configs, 2)
 
 
 def main(argv: list[str] | None = None) -> int:
