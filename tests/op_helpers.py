@@ -139,6 +139,21 @@ def materialize_options(opts: dict, device) -> dict:
     return out
 
 
+def record_calls(monkeypatch, module, name: str, record=lambda args, kwargs, result: (args, kwargs, result)):
+    """Wrap ``module.name`` (for this test) so that every call still runs and appends
+    ``record(args, kwargs, result)`` to the returned list: how a test sees which path ran."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(record(args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def call_op(case: Case, **opts):
     opts.setdefault("ignore_index", case.ignore_index)
     return lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels, case.bias, **opts)

@@ -4,7 +4,7 @@ within the input dtype's rounding, on both chunk paths."""
 
 import pytest
 import torch
-from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case
+from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case, record_calls
 
 from liger_patch.ops import chunked
 
@@ -32,15 +32,7 @@ def test_logits_dtype_parity(gen, device, chunk_rows, backend, reduction, dtype,
 
 def test_logits_are_stored_in_the_chosen_dtype(gen, device, monkeypatch):
     """The chunk the row kernel sees has the requested dtype (a test that the option is wired)."""
-    seen = []
-    real = chunked._logits
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(chunked, "_logits", spy)
+    seen = record_calls(monkeypatch, chunked, "_logits", lambda args, kwargs, out: out.dtype)
     case = make_case(gen, (9,), 16, 40, dtype=torch.bfloat16, device=device)
     call_op(case)
     call_op(case, logits_dtype=torch.float32)

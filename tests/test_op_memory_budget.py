@@ -4,7 +4,7 @@ that the op's working memory stays inside it."""
 
 import pytest
 import torch
-from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case
+from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case, record_calls
 
 from liger_patch.ops import chunked, fused_linear_ce
 from liger_patch.ops.options import MEMORY_BUDGETS, parse_memory_budget
@@ -48,15 +48,7 @@ def test_presets():
 @pytest.fixture
 def logits_calls(monkeypatch):
     """Records the row count of every logits chunk the op builds."""
-    rows = []
-    real = chunked._logits
-
-    def spy(h, *args, **kwargs):
-        rows.append(h.shape[0])
-        return real(h, *args, **kwargs)
-
-    monkeypatch.setattr(chunked, "_logits", spy)
-    return rows
+    return record_calls(monkeypatch, chunked, "_logits", lambda args, kwargs, out: args[0].shape[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

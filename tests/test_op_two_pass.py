@@ -4,7 +4,7 @@ grad_W one block at a time. Checked against the fp64 reference in every gradient
 
 import pytest
 import torch
-from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, call_op, check_parity, make_case
+from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, call_op, check_parity, make_case, record_calls
 
 import liger_patch as lp
 from liger_patch.ops import chunked
@@ -15,15 +15,7 @@ from liger_patch.ops.torch_ce import ce_rows_torch
 @pytest.fixture
 def vocab_pass_calls(monkeypatch):
     """Counts the vocabulary passes, so a test knows the two-pass path really ran."""
-    calls = []
-    real = chunked._vocab_pass
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(chunked, "_vocab_pass", spy)
-    return calls
+    return record_calls(monkeypatch, chunked, "_vocab_pass", lambda args, kwargs, result: 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
