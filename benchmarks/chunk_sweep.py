@@ -196,6 +196,14 @@ def launch_ab(name: str, rep: int) -> dict:
     return compare_settings(name, rep, triton_ce, "_launch_config", configs, 2)
 
 
+def fused_logits_ab(name: str, rep: int) -> dict:
+    """The logits GEMM with log-sum-exp partials (Triton) vs cuBLAS plus the row kernel's first
+    pass, three rounds."""
+    from liger_patch.ops import triton_logits
+
+    return compare_settings(name, rep, triton_logits, "ENABLED", {"fused": True, "cublas": False}, 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="all")
@@ -205,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reverse-ab", action="store_true", help="only the pass-2 direction A/B")
     parser.add_argument("--rows", default=None, help="comma list: only the forced-row-count sweep")
     parser.add_argument("--launch-ab", action="store_true", help="only the row-kernel launch-config A/B")
+    parser.add_argument("--fused-ab", action="store_true", help="only the fused-logits-GEMM vs cuBLAS A/B")
     args = parser.parse_args(argv)
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -212,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in shapes:
         if args.rows:
             rows.append(rows_sweep(name, [int(r) for r in args.rows.split(",")], args.rep_ms))
+        elif args.fused_ab:
+            rows.append(fused_logits_ab(name, args.rep_ms))
         elif args.launch_ab:
             rows.append(launch_ab(name, args.rep_ms))
         elif args.reverse_ab:

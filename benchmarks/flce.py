@@ -54,6 +54,18 @@ def ours(hidden, weight, labels):
     return fused_linear_cross_entropy(hidden, weight, labels)
 
 
+def ours_cublas_logits(hidden, weight, labels):
+    """Ours with the logits GEMM left to cuBLAS and the row kernel's two passes (the default
+    before docs/perf-notes.md item 19), for the side-by-side comparison."""
+    from liger_patch.ops import triton_logits
+
+    triton_logits.ENABLED = False
+    try:
+        return ours(hidden, weight, labels)
+    finally:
+        triton_logits.ENABLED = True
+
+
 def ours_fp32_logits(hidden, weight, labels):
     """Ours with logits chunks stored in fp32 (``logits_dtype=torch.float32``)."""
     from liger_patch import fused_linear_cross_entropy
@@ -92,6 +104,7 @@ def cut_cross_entropy(hidden, weight, labels):
 
 IMPLS: dict[str, Callable] = {
     "ours": ours,
+    "ours_cublas_logits": ours_cublas_logits,
     "ours_fp32_logits": ours_fp32_logits,
     "ours_lean": ours_lean,
     "torch_eager": torch_eager,

@@ -106,6 +106,36 @@ def _logits(
     return out.copy_(res)
 
 
+def _chunk_logits(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    dtype: torch.dtype,
+    opts: LossOptions,
+    out: torch.Tensor | None,
+    fused: bool,
+) -> tuple[torch.Tensor, tuple | None]:
+    """A token chunk's logits, and with ``fused`` (where ``triton_logits`` supports the chunk)
+    the log-sum-exp partials its GEMM leaves for the row kernel; else ``_logits`` and ``None``."""
+    if fused:
+        from liger_patch.ops import triton_logits
+
+        if triton_logits.supported(h, w, dtype):
+            if out is None:
+                out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
+            # The bias values the cuBLAS path adds: rounded to the logits dtype when the GEMM
+            # stores that dtype itself (see _logits).
+            bias = None if b is None else (b.to(dtype) if h.dtype == dtype else b)
+            return out, triton_logits.logits_with_partials(h, w, bias, opts, out)
+    return _logits(h, w, b, dtype, out=out), None
+
+
+def _partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
+    from liger_patch.ops import triton_logits
+
+    return triton_logits.partial_bytes_per_row(vocab, opts)
+
+
 _ALIGN = 16  # bytes; keeps cuBLAS on its vectorised kernels and any dtype view legal
 
 
@@ -173,6 +203,7 @@ def run_chunks(
     fp32_grad_weight: bool | None = None,
     logits_dtype: torch.dtype | None = None,
     two_pass: bool | None = None,
+    fused_logits: bool = False,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
@@ -183,6 +214,10 @@ def run_chunks(
     ``logits_dtype`` is how logits chunks are stored (``None``: the input dtype). ``budget_bytes``
     bounds the working memory: the logits chunk, or the vocabulary block in pass B, plus an fp32
     grad_W accumulator when one is used.
+
+    ``fused_logits`` (the Triton backend) computes token chunks' logits with
+    ``triton_logits.logits_with_partials`` where it supports them, and hands its log-sum-exp
+    partials to the row kernel, which then reads each chunk once fewer.
 
     ``two_pass=None`` picks the two-pass path when grad_W is needed and the budget gives fewer
     than ``MIN_TOKEN_CHUNK_ROWS`` rows per token chunk (and more than one chunk).
@@ -202,7 +237,17 @@ def run_chunks(
     b = None if bias is None else bias.float()
     logits_dtype = logits_dtype or hidden.dtype
     logit_bytes = torch.empty((), dtype=logits_dtype).element_size()
-    step = chunk_rows(vocab, budget_bytes, logit_bytes)
+    # With the log-sum-exp given, partials would save nothing: cuBLAS alone is faster. Where the
+    # fused GEMM runs, its partials share the budget with the chunk they describe.
+    fused_logits = fused_logits and lse_in is None
+    part_bytes = _partial_bytes_per_row(vocab, opts) if fused_logits else 0
+
+    def rows_within(budget: int) -> int:
+        return chunk_rows(
+            vocab, budget - budget * part_bytes // (vocab * logit_bytes + part_bytes), logit_bytes
+        )
+
+    step = rows_within(budget_bytes)
     if two_pass is None:
         two_pass = step < MIN_TOKEN_CHUNK_ROWS < n_rows
     two_pass = two_pass and compute_grad and need_weight
@@ -220,13 +265,15 @@ def run_chunks(
         grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
         # Pass A keeps its logits chunks in grad_W's bytes: they are free until pass B.
         scratch_rows = min(n_rows, weight.numel() * weight.element_size() // (vocab * logit_bytes))
+        if part_bytes:  # the chunk lives in grad_W, but its partials come out of the budget
+            scratch_rows = min(scratch_rows, max(1, budget_bytes // part_bytes))
         if scratch_rows > step:
             step, scratch = scratch_rows, grad_weight
     elif compute_grad and need_weight:
         # An fp32 accumulator is used when it fits in the budget next to chunks of at least
         # MIN_TOKEN_CHUNK_ROWS rows (or all rows); the chunks then share what it leaves.
         rest = budget_bytes - 4 * weight.numel()
-        rest_rows = chunk_rows(vocab, rest, logit_bytes) if rest > 0 else 0
+        rest_rows = rows_within(rest) if rest > 0 else 0
         if fp32_grad_weight is None:
             fp32_grad_weight = gemm_dtype == torch.float32 or rest_rows >= min(n_rows, MIN_TOKEN_CHUNK_ROWS)
         if fp32_grad_weight and gemm_dtype != torch.float32:
@@ -244,7 +291,7 @@ def run_chunks(
         stop = min(start + step, n_rows)
         h = hidden[start:stop].to(gemm_dtype)
         out = None if scratch is None else _buffer_in(scratch, stop - start, vocab, logits_dtype)
-        logits = _logits(h, w, b, logits_dtype, out=out)
+        logits, partials = _chunk_logits(h, w, b, logits_dtype, opts, out, fused_logits)
         g = _grad_view(logits, gemm_dtype) if token_grads else None
         ce_c, lse_c = row_kernel(
             logits,
@@ -254,7 +301,9 @@ def run_chunks(
             coef_ce=None if coef_ce is None else coef_ce[start:stop],
             coef_z=None if coef_z is None else coef_z[start:stop],
             lse_in=None if lse_in is None else lse_in[start:stop],
+            **({} if partials is None else {"partials": partials}),
         )
+        del partials  # now, not when the next chunk's are already allocated
         if ce is not None:
             ce[start:stop] = ce_c
             lse[start:stop] = lse_c

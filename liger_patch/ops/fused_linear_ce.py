@@ -141,6 +141,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             need_weight=need_w,
             need_bias=need_b and bias is not None,
             logits_dtype=logits_dtype,
+            fused_logits=backend == "triton",
         )
         loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
 
@@ -309,6 +310,7 @@ def fused_linear_cross_entropy(
                 opts,
                 budget_bytes=budget,
                 logits_dtype=logits_dtype,
+                fused_logits=chosen == "triton",
             )
             loss, z_loss = _loss_and_z_loss(res.ce, res.lse, opts, reduction, divisor)
     if reduction == "none":

@@ -3,7 +3,8 @@
 Each program owns one row (token). Pass 1 streams the row once for an online log-sum-exp (and
 the logit sum for label smoothing); pass 2 streams it again, backwards so that the part pass 1
 read last is still in L2, and writes the gradient in place. Ignored rows skip both passes and only
-write zeros. All arithmetic is fp32. With the full rows' log-sum-exp given, the chunk may also be a
+write zeros. When the logits GEMM left log-sum-exp partials (``triton_logits``), folding them
+replaces pass 1. All arithmetic is fp32. With the full rows' log-sum-exp given, the chunk may also be a
 block of columns of wider rows (``col_offset``, ``V_total``): only pass 2 runs then.
 
 The kernel is compiled on first use, for the mode ``TRITON_INTERPRET`` names at that moment, so
@@ -33,6 +34,10 @@ def _ce_rows_kernel(
     coef_ce_ptr,
     coef_z_ptr,
     lse_in_ptr,
+    pmax_ptr,
+    psum_ptr,
+    pz_ptr,
+    n_parts,
     ce_ptr,
     lse_ptr,
     stride_logits,
@@ -49,10 +54,12 @@ def _ce_rows_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    HAS_PARTIALS: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     GRAD_ALIASES_WIDER: tl.constexpr,
     REVERSE_PASS2: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -72,6 +79,24 @@ def _ce_rows_kernel(
     else:
         if HAS_LSE:
             lse = tl.load(lse_in_ptr + row)
+        elif HAS_PARTIALS:
+            # The logits GEMM left (max, sum exp, sum z) per vocabulary tile: fold them.
+            run_max = tl.zeros([], dtype=tl.float32) - float("inf")
+            run_sum = tl.zeros([], dtype=tl.float32)
+            z_total = tl.zeros([], dtype=tl.float32)
+            part_offsets = tl.arange(0, BLOCK_P)
+            for start in range(0, n_parts, BLOCK_P):
+                idx = start + part_offsets
+                mask = idx < n_parts
+                p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
+                p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
+                new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
+                rescaled = tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
+                run_sum = run_sum * tl.exp(run_max - new_max) + rescaled
+                run_max = new_max
+                if HAS_SMOOTHING:
+                    z_total += tl.sum(tl.load(pz_ptr + row * n_parts + idx, mask=mask, other=0.0), axis=0)
+            lse = run_max + tl.log(run_sum)
         else:
             run_max = tl.zeros([], dtype=tl.float32) - float("inf")
             run_sum = tl.zeros([], dtype=tl.float32)
@@ -92,7 +117,7 @@ def _ce_rows_kernel(
                 if HAS_SMOOTHING:
                     z_total += tl.sum(tl.where(mask, z, 0.0), axis=0)
             lse = run_max + tl.log(run_sum)
-
+        if not HAS_LSE:
             z_label = tl.load(logits_row + label).to(tl.float32)
             if HAS_SCALE:
                 z_label = z_label * logit_scale
@@ -163,10 +188,13 @@ def ce_rows_triton(
     lse_in: torch.Tensor | None = None,
     col_offset: int = 0,
     vocab_total: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Same contract as ``torch_ce.ce_rows_torch``.
 
     With ``lse_in`` (saved by the forward) pass 1 is skipped and ``(None, lse_in)`` is returned.
+    With ``partials`` (``triton_logits.logits_with_partials``'s, for these logits) pass 1 is
+    replaced by folding them, and ``(ce, lse)`` is returned as usual.
     ``grad`` may alias ``logits`` element for element (same dtype) or byte for byte with a
     narrower dtype (a view of the same storage with the same row start); see ``chunked``.
     """
@@ -178,6 +206,14 @@ def ce_rows_triton(
     block, warps = _launch_config(vocab, interpret)
     compute_grad = grad is not None
     has_lse = lse_in is not None
+    if partials is not None and (has_lse or col_offset or (vocab_total or vocab) != vocab):
+        raise ValueError(
+            "partials replace the log-sum-exp pass over whole rows: not with lse_in or a column block"
+        )
+    pmax, psum, pz = partials if partials is not None else (None, None, None)
+    n_parts = 0 if pmax is None else pmax.shape[1]
+    if pmax is not None and (pmax.shape[0] != rows or not pmax.is_contiguous()):
+        raise ValueError(f"partials must be contiguous ({rows}, tiles); got {tuple(pmax.shape)}")
     ce = lse = None
     if not has_lse:
         ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -195,6 +231,10 @@ def ce_rows_triton(
         coef_ce if compute_grad else dummy,
         coef_z if compute_grad else dummy,
         lse_in if has_lse else dummy,
+        pmax if pmax is not None else dummy,
+        psum if psum is not None else dummy,
+        pz if pz is not None else dummy,
+        n_parts,
         ce if ce is not None else dummy,
         lse if lse is not None else dummy,
         logits.stride(0),
@@ -211,11 +251,13 @@ def ce_rows_triton(
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing != 0.0,
         HAS_LSE=has_lse,
+        HAS_PARTIALS=pmax is not None,
         COMPUTE_GRAD=compute_grad,
         GRAD_ALIASES_WIDER=grad_aliases_wider,
         # In place over wider logits, block k's stores overwrite blocks <= k: forwards only.
         REVERSE_PASS2=REVERSE_PASS2 and not grad_aliases_wider,
         BLOCK_V=block,
+        BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
         num_warps=warps,
     )
     return (None, lse_in) if has_lse else (ce, lse)

@@ -1,0 +1,227 @@
+"""Logits GEMM that also leaves log-sum-exp partials, so the row kernel needs one pass, not two.
+
+``logits = h W^T (+ b)`` for one token chunk, tiled over (rows, vocabulary) on a persistent grid
+that loads its operands through TMA descriptors (Hopper and later). Each tile is rounded to the
+logits dtype and stored, exactly as the cuBLAS path stores it; from the same rounded values
+(after the logit scale and softcap) the epilogue writes, per row and vocabulary tile, the maximum
+and the sum of ``exp(z - max)`` (and the sum of ``z`` for label smoothing). The row kernel folds
+these into each row's log-sum-exp instead of reading the whole chunk once more for it.
+
+Measured on an H100 (docs/perf-notes.md item 19): the best tile configuration ran 2-4 % slower
+than cuBLAS's logits GEMM, and saved the row kernel's first pass (0.6 ms of 2.1 at N=8192,
+H=4096, V=128256; 1.4 of 4.5 at N=8192, H=2304, V=256000): a net gain of 0.3 and 0.8 ms.
+
+The kernel is compiled on first use for the ``TRITON_INTERPRET`` mode of that moment; under the
+interpreter it runs on CPU tensors (fp32 there, as all CPU GEMMs here are).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_patch import env
+from liger_patch.ops.options import LossOptions
+
+ENABLED = True
+"""Use this path wherever it is supported (``supported``); benchmarks and tests switch it off to
+compare with cuBLAS plus the two-pass row kernel."""
+
+_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
+
+# (BM, BN, BK, stages, warps): the best of five configurations on an H100 (perf-notes item 19).
+_CUDA_CONFIG = (128, 256, 64, 3, 8)
+# Small tiles under the interpreter, so that test shapes span several tiles in both directions.
+_INTERPRET_CONFIG = (16, 32, 16, 1, 1)
+_INTERPRET_PROGRAMS = 3
+_GROUP_M = 8
+
+
+def _logits_lse_kernel(
+    h_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    pmax_ptr,
+    psum_ptr,
+    pz_ptr,
+    M,
+    V,
+    K,
+    logit_scale,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    ROUND_BF16_NEAREST: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(V, BN)
+    in_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        # Grouped order: consecutive tiles share W tiles while a few row blocks sweep them (L2).
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % size_m
+        pid_n = (tile % in_group) // size_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            acc = tl.dot(h_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc)
+        cols = off_n + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16_NEAREST:
+            # Triton's interpreter narrows fp32 to bf16 by truncation; the GPU (and cuBLAS) round
+            # to nearest even. Rounding the fp32 bits first makes the truncation exact.
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            acc = bits.to(tl.float32, bitcast=True)
+        stored = acc.to(out_desc.dtype)
+        out_desc.store([off_m, off_n], stored)  # TMA clips the parts past M and V
+
+        z = stored.to(tl.float32)
+        if HAS_SCALE:
+            z = z * logit_scale
+        if HAS_SOFTCAP:
+            z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)  # the row kernel's tanh
+        in_vocab = cols[None, :] < V
+        z = tl.where(in_vocab, z, float("-inf"))
+        tile_max = tl.max(z, axis=1)
+        tile_sum = tl.sum(tl.exp(z - tile_max[:, None]), axis=1)
+        rows = off_m + tl.arange(0, BM)
+        part = rows.to(tl.int64) * tiles_n + pid_n
+        tl.store(pmax_ptr + part, tile_max, mask=rows < M)
+        tl.store(psum_ptr + part, tile_sum, mask=rows < M)
+        if HAS_SMOOTHING:
+            tl.store(pz_ptr + part, tl.sum(tl.where(in_vocab, z, 0.0), axis=1), mask=rows < M)
+
+
+@functools.lru_cache(maxsize=2)
+def _compiled_kernel(interpret: bool):
+    del interpret  # part of the cache key only: Triton reads TRITON_INTERPRET when jitting
+    return triton.jit(_logits_lse_kernel)
+
+
+@functools.cache
+def _tensor_descriptor():
+    """Triton's host-side TMA descriptor class, or None on a Triton without one (or older than
+    3.4, whose ``tl.range`` has no ``flatten``)."""
+    if tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) < (3, 4):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+@functools.cache
+def _cuda_has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % _ALIGN == 0 and (t.stride(0) * size) % _ALIGN == 0
+
+
+def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bool:
+    """Whether this path can compute the chunk: TMA hardware (or the interpreter), 16-byte
+    aligned rows for the operands and for a contiguous ``rows x V`` output, and, on CUDA, half
+    inputs with logits in the same dtype (fp32 inputs would run as TF32 here, and an fp32 output
+    tile does not fit in shared memory next to the operand stages)."""
+    if not ENABLED or _tensor_descriptor() is None or h.dtype != w.dtype:
+        return False
+    if (w.shape[0] * torch.empty((), dtype=logits_dtype).element_size()) % _ALIGN:
+        return False
+    if not (_aligned(h) and _aligned(w)):
+        return False
+    if env.triton_interpret():
+        return h.device.type == "cpu"
+    return (
+        h.is_cuda
+        and h.dtype in (torch.bfloat16, torch.float16)
+        and logits_dtype == h.dtype
+        and _cuda_has_tma(h.device.index if h.device.index is not None else torch.cuda.current_device())
+    )
+
+
+def partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
+    """Bytes of partials ``logits_with_partials`` allocates per row (about V/32 on CUDA, 1/64
+    of a half-precision logits row), which the caller's memory budget must cover."""
+    bn = (_INTERPRET_CONFIG if env.triton_interpret() else _CUDA_CONFIG)[1]
+    return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
+
+
+def logits_with_partials(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LossOptions,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Write ``h w^T + bias`` into ``out`` (rows x V, contiguous) and return the partials.
+
+    Returns ``(pmax, psum, pz)``, each (rows, tiles) fp32: per vocabulary tile of each row, the
+    max of the transformed logits ``z``, the sum of ``exp(z - max)``, and (label smoothing only,
+    else ``None``) the sum of ``z``. ``bias`` must already be in the dtype whose values the
+    cuBLAS path adds (see ``chunked._logits``). Call only where ``supported`` says so.
+    """
+    rows, k = h.shape
+    vocab = w.shape[0]
+    interpret = env.triton_interpret()
+    bm, bn, bk, stages, warps = _INTERPRET_CONFIG if interpret else _CUDA_CONFIG
+    tiles_n = triton.cdiv(vocab, bn)
+    pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=h.device)
+    psum = torch.empty_like(pmax)
+    smoothing = opts.label_smoothing != 0.0
+    pz = torch.empty_like(pmax) if smoothing else None
+    n_tiles = triton.cdiv(rows, bm) * tiles_n
+    if n_tiles == 0:
+        return pmax, psum, pz
+    if interpret:
+        programs = _INTERPRET_PROGRAMS
+    else:
+        programs = torch.cuda.get_device_properties(h.device).multi_processor_count
+    programs = min(programs, n_tiles)
+    descriptor = _tensor_descriptor()
+    _compiled_kernel(interpret)[(programs,)](
+        descriptor.from_tensor(h, [bm, bk]),
+        descriptor.from_tensor(w, [bn, bk]),
+        descriptor(out, [rows, vocab], [out.stride(0), 1], [bm, bn]),
+        bias if bias is not None else pmax,
+        pmax,
+        psum,
+        pz if pz is not None else pmax,
+        rows,
+        vocab,
+        k,
+        opts.scale,
+        float(opts.softcap or 1.0),
+        HAS_BIAS=bias is not None,
+        HAS_SCALE=opts.logit_scale is not None,
+        HAS_SOFTCAP=opts.softcap is not None,
+        HAS_SMOOTHING=smoothing,
+        ROUND_BF16_NEAREST=interpret and out.dtype == torch.bfloat16,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=_GROUP_M,
+        PROGRAMS=programs,
+        num_stages=stages,
+        num_warps=warps,
+    )
+    return pmax, psum, pz
