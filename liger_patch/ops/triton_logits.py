@@ -129,8 +129,14 @@ def _tensor_descriptor():
 
 
 @functools.cache
-def _cuda_has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _cuda_fits(device_index: int) -> bool:
+    """TMA (compute capability 9.0+) and enough shared memory per block for the operand stages
+    and the output tile (consumer Blackwell, sm_120, has TMA but ~100 KiB)."""
+    bm, bn, bk, stages, _ = _CUDA_CONFIG
+    needed = 2 * (stages * (bm + bn) * bk + bm * bn)  # half-precision bytes
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    return torch.cuda.get_device_capability(device_index) >= (9, 0) and optin >= needed
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -155,7 +161,7 @@ def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bo
         h.is_cuda
         and h.dtype in (torch.bfloat16, torch.float16)
         and logits_dtype == h.dtype
-        and _cuda_has_tma(h.device.index if h.device.index is not None else torch.cuda.current_device())
+        and _cuda_fits(h.device.index if h.device.index is not None else torch.cuda.current_device())
     )
 
 
