@@ -7,9 +7,9 @@ logits dtype and stored, exactly as the cuBLAS path stores it; from the same rou
 and the sum of ``exp(z - max)`` (and the sum of ``z`` for label smoothing). The row kernel folds
 these into each row's log-sum-exp instead of reading the whole chunk once more for it.
 
-Measured on an H100 (docs/perf-notes.md item 19): the best tile configuration ran 2-4 % slower
-than cuBLAS's logits GEMM, and saved the row kernel's first pass (0.6 ms of 2.1 at N=8192,
-H=4096, V=128256; 1.4 of 4.5 at N=8192, H=2304, V=256000): a net gain of 0.3 and 0.8 ms.
+Measured (docs/perf-notes.md items 19-20): on an H200 this GEMM runs 0.5-3 % slower than
+cuBLAS's, and removing the row kernel's first pass more than pays for it: the whole op, A/B
+interleaved, gained 0.4-0.9 ms at the four benchmark shapes.
 
 The kernel is compiled on first use for the ``TRITON_INTERPRET`` mode of that moment; under the
 interpreter it runs on CPU tensors (fp32 there, as all CPU GEMMs here are).
@@ -33,7 +33,7 @@ compare with cuBLAS plus the two-pass row kernel."""
 
 _ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
-# (BM, BN, BK, stages, warps): the best of five configurations on an H100 (perf-notes item 19).
+# (BM, BN, BK, stages, warps): the best configuration tried on an H100 and an H200 (perf-notes item 19).
 _CUDA_CONFIG = (128, 256, 64, 3, 8)
 # Small tiles under the interpreter, so that test shapes span several tiles in both directions.
 _INTERPRET_CONFIG = (16, 32, 16, 1, 1)
