@@ -146,7 +146,7 @@ def _buffer_in(
     fresh contiguous tensor): its first bytes, or with ``at_end`` its last ones, starting at a
     16-byte boundary (so up to 15 bytes before the last ``rows * cols`` elements)."""
     flat = storage.view(-1).view(torch.uint8)
-    nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+    nbytes = rows * cols * dtype.itemsize
     start = (flat.numel() - nbytes) // _ALIGN * _ALIGN if at_end else 0
     return flat[start : start + nbytes].view(dtype).view(rows, cols)
 
@@ -179,7 +179,7 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     the CPU, whose GEMMs run in fp32). The row kernel writes every element."""
     if dtype == logits.dtype:
         return logits
-    if logits.element_size() > torch.empty((), dtype=dtype).element_size():
+    if logits.element_size() > dtype.itemsize:
         return logits.view(dtype)[:, : logits.shape[1]]
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
@@ -236,7 +236,7 @@ def run_chunks(
     w = weight.to(gemm_dtype)
     b = None if bias is None else bias.float()
     logits_dtype = logits_dtype or hidden.dtype
-    logit_bytes = torch.empty((), dtype=logits_dtype).element_size()
+    logit_bytes = logits_dtype.itemsize
     # With the log-sum-exp given, partials would save nothing: cuBLAS alone is faster. Where the
     # fused GEMM runs, its partials share the budget with the chunk they describe.
     fused_logits = fused_logits and lse_in is None
@@ -369,7 +369,7 @@ def _vocab_pass(
     """
     n_rows, vocab = h.shape[0], w.shape[0]
     gemm_dtype = h.dtype
-    logit_bytes = torch.empty((), dtype=logits_dtype).element_size()
+    logit_bytes = logits_dtype.itemsize
     row_bytes = grad_weight.shape[1] * grad_weight.element_size()
     budget_cols = chunk_rows(n_rows, budget_bytes, logit_bytes)
     buf = None

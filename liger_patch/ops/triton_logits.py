@@ -151,7 +151,7 @@ def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bo
     tile does not fit in shared memory next to the operand stages)."""
     if not ENABLED or _tensor_descriptor() is None or h.dtype != w.dtype:
         return False
-    if (w.shape[0] * torch.empty((), dtype=logits_dtype).element_size()) % _ALIGN:
+    if (w.shape[0] * logits_dtype.itemsize) % _ALIGN:
         return False
     if not (_aligned(h) and _aligned(w)):
         return False
