@@ -74,6 +74,16 @@ def _has_out_dtype_mm(device_type: str) -> bool:
         return False
 
 
+def _bias_as_added(
+    bias: torch.Tensor | None, gemm_dtype: torch.dtype, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The fp32 bias as the logits GEMM adds it: rounded to the logits dtype when the GEMM stores
+    that dtype itself (cuBLAS's epilogue adds a bias of the output's dtype), else unrounded."""
+    if bias is None:
+        return None
+    return bias.to(dtype) if gemm_dtype == dtype else bias
+
+
 def _logits(
     h: torch.Tensor,
     w: torch.Tensor,
@@ -89,7 +99,7 @@ def _logits(
     if h.dtype == dtype:  # the GEMM rounds on store (half logits on CUDA, or fp32 everything)
         if bias is None:
             return torch.mm(h, w.t(), out=out) if out is not None else h @ w.t()
-        b = bias.to(dtype)
+        b = _bias_as_added(bias, h.dtype, dtype)
         return torch.addmm(b, h, w.t(), out=out) if out is not None else torch.addmm(b, h, w.t())
     if h.dtype == torch.float32:  # the CPU, which runs its GEMMs in fp32
         res = h @ w.t()
@@ -123,9 +133,7 @@ def _chunk_logits(
         if triton_logits.supported(h, w, dtype):
             if out is None:
                 out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
-            # The bias values the cuBLAS path adds: rounded to the logits dtype when the GEMM
-            # stores that dtype itself (see _logits).
-            bias = None if b is None else (b.to(dtype) if h.dtype == dtype else b)
+            bias = _bias_as_added(b, h.dtype, dtype)
             return out, triton_logits.logits_with_partials(h, w, bias, opts, out)
     return _logits(h, w, b, dtype, out=out), None
 
