@@ -44,7 +44,7 @@ def reference_flce(
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(reduction)
     lead = labels.shape
-    h = hidden.reshape(-1, hidden.shape[-1]).to(torch.float64)
+    h = hidden.reshape(labels.numel(), hidden.shape[-1]).to(torch.float64)  # not (-1, H): H may be 0
     y = labels.reshape(-1).to(torch.int64)
 
     x = h @ weight.to(torch.float64).T

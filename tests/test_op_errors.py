@@ -188,3 +188,37 @@ def test_tensors_on_different_devices(gen, backend, which):
     args[which] = args[which].cpu()
     with pytest.raises(ValueError, match=r"(?i)device"):
         call_raw(h, args["weight"], args["labels"], args["bias"], backend=backend)
+
+
+# ---------------------------------------------------------------- values checked on the device
+
+
+BAD_DIVISORS = [(torch.int64, -6), (torch.int32, -1)] + [
+    (torch.float32, v) for v in (-6.0, -0.5, float("inf"), float("-inf"), float("nan"))
+]
+
+
+@pytest.mark.parametrize(("dtype", "value"), BAD_DIVISORS, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_items_in_batch_tensor_out_of_range(gen, device, backend, dtype, value):
+    """A tensor divisor is checked like an int or a float (it gave a loss of -4.75 for -6, 0 with
+    zero gradients for inf, NaN for nan), inside the op's one host sync."""
+    h, w, y, b = _inputs(gen, device)
+    n = torch.tensor(value, dtype=dtype, device=device)
+    with pytest.raises(ValueError, match="num_items_in_batch must be finite and >= 0"):
+        call_raw(h, w, y, b, backend=backend, num_items_in_batch=n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_meta_tensors(backend):
+    h, w = torch.randn(3, 4, device="meta"), torch.randn(5, 4, device="meta")
+    y = torch.zeros(3, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        call_raw(h, w, y, backend=backend)
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, 2**70, -(2**63) - 1])
+def test_ignore_index_beyond_int64(gen, device, ignore_index):
+    h, w, y, _ = _inputs(gen, device)
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        call_raw(h, w, y, ignore_index=ignore_index)

@@ -38,7 +38,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.triton_ce import _ce_rows_kernel
+from liger_patch.ops.triton_ce import _ce_rows_kernel, _softcap
 
 # The leading arguments in the kernel's order; all fp32 pointers unless set below.
 leading = ["logits_ptr", "grad_ptr", "labels_ptr", "coef_ce_ptr", "coef_z_ptr", "lse_in_ptr",
@@ -48,13 +48,14 @@ scalars = {"n_parts": "i32", "stride_logits": "i64", "stride_grad": "i64", "V": 
            "logit_scale": "fp32", "softcap": "fp32", "smoothing": "fp32", "z_loss_scale": "fp32"}
 flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "HAS_PARTIALS", "COMPUTE_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
+softcap = triton.jit(_softcap)
 report = []
 for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in leading}
     signature.update(logits_ptr=logits_dtype, grad_ptr=grad_dtype, labels_ptr="*i64", **scalars)
     wider = logits_dtype == "*fp32" and grad_dtype != "*fp32"
     constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, REVERSE_PASS2=not wider,
-                      BLOCK_V=8192, BLOCK_P=1024)
+                      BLOCK_V=8192, BLOCK_P=1024, SOFTCAP_FN=softcap)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
@@ -67,7 +68,8 @@ from liger_patch.ops.triton_scale import _scale_kernel
 scale = triton.jit(_scale_kernel)
 for dtype in ("*fp32", "*bf16", "*fp16"):
     src = ASTSource(fn=scale, signature={"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64",
-                                         "BLOCK": "constexpr"}, constexprs={(3,): 4096})
+                                         "BLOCK": "constexpr", "ROUND_BF16_NEAREST": "constexpr"},
+                    constexprs={(3,): 4096, (4,): False})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
@@ -81,7 +83,8 @@ for dtype, *flags in json.loads(sys.argv[2]):
                  "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "pz_ptr": "*fp32",
                  "M": "i32", "V": "i32", "K": "i32", "logit_scale": "fp32", "softcap": "fp32"}
     constexprs = dict(zip(["HAS_BIAS", "HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING"], flags),
-                      ROUND_BF16_NEAREST=False, BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M, PROGRAMS=132)
+                      ROUND_BF16_NEAREST=False, BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M, PROGRAMS=132,
+                      SOFTCAP_FN=softcap)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=logits_kernel, signature=signature,

@@ -242,7 +242,7 @@ def run_chunks(
     compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
-    b = None if bias is None else bias.float()
+    b = None if bias is None else bias.float().contiguous()  # the fused GEMM reads it by column
     logits_dtype = logits_dtype or hidden.dtype
     logit_bytes = logits_dtype.itemsize
     # With the log-sum-exp given, partials would save nothing: cuBLAS alone is faster. Where the
@@ -264,7 +264,9 @@ def run_chunks(
     if lse_in is None:
         ce = torch.empty(n_rows, dtype=torch.float32, device=device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    grad_hidden = torch.empty_like(hidden) if compute_grad and need_hidden else None
+    grad_hidden = None
+    if compute_grad and need_hidden:  # contiguous whatever hidden's strides (not empty_like)
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device)
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if compute_grad and need_bias else None
 
     grad_weight = scratch = None

@@ -109,12 +109,50 @@ def _reduce(rows: torch.Tensor, reduction: str, divisor: torch.Tensor | float) -
     return total if reduction == "sum" else total / divisor
 
 
+def _z_loss_rows(lse: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """``z_loss_scale * lse^2`` per row; exactly 0 without z-loss (``0 * lse^2`` would be NaN
+    once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is finite)."""
+    if opts.z_loss_scale == 0.0:
+        return torch.zeros_like(lse)
+    return opts.z_loss_scale * lse.square()
+
+
 def _loss_and_z_loss(
     ce: torch.Tensor, lse: torch.Tensor, opts: LossOptions, reduction: str, divisor: torch.Tensor | float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduced ``ce + z_loss_scale * lse^2`` and its z-loss part (lse is 0 at ignored rows)."""
-    z_rows = opts.z_loss_scale * lse.square()
+    z_rows = _z_loss_rows(lse, opts)
     return _reduce(ce + z_rows, reduction, divisor), _reduce(z_rows, reduction, divisor)
+
+
+def _differentiable_grads(ctx, grad_loss, grad_z) -> tuple:
+    """The input gradients as a graph of plain PyTorch ops, for ``create_graph=True``.
+
+    A second derivative (a gradient penalty, a Hessian-vector product) needs the first one to be
+    differentiable. This recomputes the loss densely in fp32 (the full ``tokens x vocab`` logits:
+    the memory saving does not apply to this rarely used path) and lets autograd differentiate
+    it, keeping the graph. The loss is ``sum_i row_weight_i (ce_i + zl_i)`` for every reduction
+    (per row for "none"), as the forward computes it.
+    """
+    hidden, weight, bias, labels, row_weight, _ = ctx.saved_tensors
+    needs = ctx.needs_input_grad[:3]
+    inputs = [t for t, need in zip((hidden, weight, bias), needs, strict=True) if need]
+    logits = hidden.float() @ weight.float().t()
+    if bias is not None:
+        logits = logits + bias.float()
+    ce, lse = ce_rows_torch(logits, labels, ctx.opts)
+    z_rows = row_weight * _z_loss_rows(lse, ctx.opts)
+    outputs, upstream = [], []
+    for rows, grad in ((row_weight * ce + z_rows, grad_loss), (z_rows, grad_z)):
+        if grad is not None and rows.requires_grad:
+            outputs.append(rows if ctx.reduction == "none" else rows.sum())
+            upstream.append(grad)
+    grads = [None] * len(inputs)
+    if outputs:
+        grads = torch.autograd.grad(outputs, inputs, upstream, create_graph=True, allow_unused=True)
+    # Every input that asked for a gradient gets one, zeros where the loss does not reach it.
+    found = iter(torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True))
+    return (*(next(found) if need else None for need in needs), *[None] * 8)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -153,8 +191,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return loss, z_loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_z):
+        if torch.is_grad_enabled():  # create_graph=True: a graph for a second derivative
+            return _differentiable_grads(ctx, grad_loss, grad_z)
         hidden, weight, bias, labels, row_weight, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         opts = ctx.opts
@@ -217,7 +256,9 @@ def _autocast_inputs(hidden, weight, bias):
     return hidden, weight, bias
 
 
-@torch.compiler.disable
+# torch.compile runs the op eagerly (a graph break). torch._disable_dynamo is torch.compiler.disable
+# with torch._dynamo imported on the first call instead of at import: ~1 s off `import liger_patch`.
+@torch._disable_dynamo
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -264,7 +305,9 @@ def fused_linear_cross_entropy(
     Every step after the GEMMs is fp32; gradients come back in the input dtypes, only for inputs that require
     them. When no token is kept the loss is exactly 0, still attached to the graph, and every input
     that requires grad receives a zero gradient. ``torch.compile`` runs this function eagerly
-    (a graph break), which keeps its results identical to eager mode.
+    (a graph break), which keeps its results identical to eager mode. A backward with
+    ``create_graph=True`` (gradient penalties, Hessian-vector products) gives gradients that can
+    be differentiated again; that path builds the full logits in fp32.
     """
     opts = _loss_options(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale)
     validation.check_options(opts, reduction, backend, num_items_in_batch)
@@ -273,13 +316,14 @@ def fused_linear_cross_entropy(
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     validation.check_logits_dtype(logits_dtype, hidden.dtype)
     lead_shape = labels.shape
-    h2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1).long()
-    validation.check_label_range(flat_labels, weight.shape[0], ignore_index)
+    h2d = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
+    # Contiguous: kernels index labels by row (a strided or expanded view would be misread).
+    flat_labels = labels.reshape(-1).long().contiguous()
     chosen = resolve_backend(backend, hidden.device)
 
     keep = flat_labels != ignore_index
     divisor = _divisor(reduction, keep, num_items_in_batch)
+    validation.check_values(flat_labels, weight.shape[0], ignore_index, divisor)
     row_weight = keep.float() / divisor if reduction == "mean" else keep.float()
 
     wants_grad = torch.is_grad_enabled() and any(

@@ -23,6 +23,34 @@ from liger_patch import env
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.validation import check_column_block
 
+
+def _softcap(x, cap):
+    """``cap * tanh(x / cap)`` and its derivative ``1 - tanh(x / cap)^2``, to fp32 accuracy.
+
+    Both come from ``e = exp(-2|u|)``, u = x / cap: tanh = (1 - e) / (1 + e), and below
+    |u| = 1/4, where 1 - e cancels, the odd Taylor series to u^11 (next term < 3e-10 relative);
+    1 - tanh^2 = 4e / (1 + e)^2, which does not cancel near |tanh| = 1. (``2 sigmoid(2u) - 1``,
+    used before, was up to 2e-3 off relative to tanh for small u.) Kernels take it as a
+    constexpr argument, jitted for the same mode as they are (``compiled_softcap``).
+    """
+    u = x / cap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (
+        -0.05396825396825397 + u2 * (0.021869488536155203 - u2 * 0.008863235529902197))))
+    t = tl.where(a < 0.25, a + a * series, (1.0 - e) / (1.0 + e))
+    t = tl.where(u < 0.0, -t, t)
+    return cap * t, 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@functools.lru_cache(maxsize=2)
+def compiled_softcap(interpret: bool):
+    """``_softcap`` jitted for the current ``TRITON_INTERPRET`` mode, to pass as ``SOFTCAP_FN``."""
+    del interpret  # part of the cache key only
+    return triton.jit(_softcap)
+
+
 REVERSE_PASS2 = True
 """Pass 2 walks the row backwards (measured in benchmarks/chunk_sweep.py, docs/perf-notes.md)."""
 
@@ -60,6 +88,7 @@ def _ce_rows_kernel(
     REVERSE_PASS2: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SOFTCAP_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -108,8 +137,7 @@ def _ce_rows_kernel(
                 if HAS_SCALE:
                     z = z * logit_scale
                 if HAS_SOFTCAP:
-                    # tanh(u) = 2 sigmoid(2u) - 1 (tl has no portable tanh)
-                    z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)
+                    z, _ = SOFTCAP_FN(z, softcap)
                 z = tl.where(mask, z, float("-inf"))
                 new_max = tl.maximum(run_max, tl.max(z, axis=0))
                 run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
@@ -122,7 +150,7 @@ def _ce_rows_kernel(
             if HAS_SCALE:
                 z_label = z_label * logit_scale
             if HAS_SOFTCAP:
-                z_label = softcap * (2.0 * tl.sigmoid(2.0 * z_label / softcap) - 1.0)
+                z_label, _ = SOFTCAP_FN(z_label, softcap)
             ce = lse - z_label
             if HAS_SMOOTHING:
                 ce = (1.0 - smoothing) * ce + smoothing * (lse - z_total / V)
@@ -147,12 +175,11 @@ def _ce_rows_kernel(
                 if HAS_SCALE:
                     z = z * logit_scale
                 if HAS_SOFTCAP:
-                    t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0
-                    z = softcap * t
+                    z, d_softcap = SOFTCAP_FN(z, softcap)
                 g = coef_p * tl.exp(z - lse) - flat
                 g = tl.where(cols == label_col, g - at_label, g)
                 if HAS_SOFTCAP:
-                    g = g * (1.0 - t * t)
+                    g = g * d_softcap
                 if HAS_SCALE:
                     g = g * logit_scale
                 if GRAD_ALIASES_WIDER:
@@ -210,6 +237,12 @@ def ce_rows_triton(
         raise ValueError(
             "partials replace the log-sum-exp pass over whole rows: not with lse_in or a column block"
         )
+    if logits.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
+        raise ValueError("logits and grad must have unit column stride (rows may be strided)")
+    # The kernel indexes every per-row vector by row: strided or expanded views would be misread.
+    labels, coef_ce, coef_z, lse_in = (
+        None if t is None else t.contiguous() for t in (labels, coef_ce, coef_z, lse_in)
+    )
     pmax, psum, pz = partials if partials is not None else (None, None, None)
     n_parts = 0 if pmax is None else pmax.shape[1]
     if pmax is not None and (pmax.shape[0] != rows or not pmax.is_contiguous()):
@@ -258,6 +291,7 @@ def ce_rows_triton(
         REVERSE_PASS2=REVERSE_PASS2 and not grad_aliases_wider,
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
+        SOFTCAP_FN=compiled_softcap(interpret),
         num_warps=warps,
     )
     return (None, lse_in) if has_lse else (ce, lse)

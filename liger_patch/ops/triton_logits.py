@@ -26,6 +26,7 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.triton_ce import compiled_softcap
 
 ENABLED = True
 """Use this path wherever it is supported (``supported``); benchmarks and tests switch it off to
@@ -64,6 +65,7 @@ def _logits_lse_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr,
+    SOFTCAP_FN: tl.constexpr,
 ):
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(V, BN)
@@ -96,7 +98,7 @@ def _logits_lse_kernel(
         if HAS_SCALE:
             z = z * logit_scale
         if HAS_SOFTCAP:
-            z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)  # the row kernel's tanh
+            z, _ = SOFTCAP_FN(z, softcap)  # the row kernel's softcap
         in_vocab = cols[None, :] < V
         z = tl.where(in_vocab, z, float("-inf"))
         tile_max = tl.max(z, axis=1)
@@ -140,8 +142,15 @@ def _cuda_fits(device_index: int) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    """TMA-loadable: unit column stride, 16-byte aligned base and row stride, rows that do not
+    overlap (an expanded operand has row stride 0)."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % _ALIGN == 0 and (t.stride(0) * size) % _ALIGN == 0
+    return (
+        t.stride(-1) == 1
+        and t.stride(0) >= t.shape[1]
+        and t.data_ptr() % _ALIGN == 0
+        and (t.stride(0) * size) % _ALIGN == 0
+    )
 
 
 def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bool:
@@ -149,7 +158,7 @@ def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bo
     aligned rows for the operands and for a contiguous ``rows x V`` output, and, on CUDA, half
     inputs with logits in the same dtype (fp32 inputs would run as TF32 here, and an fp32 output
     tile does not fit in shared memory next to the operand stages)."""
-    if not ENABLED or _tensor_descriptor() is None or h.dtype != w.dtype:
+    if not ENABLED or _tensor_descriptor() is None or h.dtype != w.dtype or h.shape[1] == 0:
         return False
     if (w.shape[0] * logits_dtype.itemsize) % _ALIGN:
         return False
@@ -227,6 +236,7 @@ def logits_with_partials(
         BK=bk,
         GROUP_M=_GROUP_M,
         PROGRAMS=programs,
+        SOFTCAP_FN=compiled_softcap(interpret),
         num_stages=stages,
         num_warps=warps,
     )

@@ -21,13 +21,19 @@ from liger_patch import env
 _BLOCK = 4096
 
 
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, ROUND_BF16_NEAREST: tl.constexpr):
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32) * scale
+        if ROUND_BF16_NEAREST:
+            # Triton's interpreter narrows fp32 to bf16 by truncation (a bias toward zero); the
+            # GPU rounds to nearest even. Rounding the fp32 bits first makes the truncation exact.
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        tl.store(x_ptr + offsets, x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=2)
@@ -47,4 +53,6 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         if n == 0:
             continue
         block = 64 if interpret else _BLOCK
-        _compiled_kernel(interpret)[(triton.cdiv(n, block),)](t, scale, n, BLOCK=block, num_warps=8)
+        _compiled_kernel(interpret)[(triton.cdiv(n, block),)](
+            t, scale, n, BLOCK=block, ROUND_BF16_NEAREST=interpret and t.dtype == torch.bfloat16, num_warps=8
+        )

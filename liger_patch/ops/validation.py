@@ -36,6 +36,8 @@ def check_options(opts: LossOptions, reduction: str, backend: str, num_items_in_
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if not isinstance(opts.ignore_index, int) or isinstance(opts.ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(opts.ignore_index).__name__}")
+    if not -(2**63) <= opts.ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (labels are int64), got {opts.ignore_index}")
     if not 0.0 <= opts.label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {opts.label_smoothing}")
     if not (math.isfinite(opts.z_loss_scale) and opts.z_loss_scale >= 0.0):
@@ -87,6 +89,11 @@ def check_tensors(
             "call the loss inside the head module's call (as a patched model does) or under "
             "deepspeed.zero.GatheredParameters"
         )
+    if any(t is not None and t.device.type == "meta" for t in (hidden, weight, labels, bias)):
+        raise ValueError(
+            "tensors on the meta device hold no values, and the fused loss needs them (it checks the "
+            "labels and computes the loss); materialise the model or inputs on a real device first"
+        )
     if hidden.dim() < 1:
         raise ValueError("hidden must have shape (..., H); got a 0-d tensor")
     if weight.dim() != 2:
@@ -132,12 +139,23 @@ def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
         )
 
 
-def check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise IndexError for a label outside [0, V) that is not ignore_index (one host sync on CUDA)."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if not bool(bad.any()):
+def check_values(
+    labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | float
+) -> None:
+    """Raise for a label outside [0, V) that is not ``ignore_index`` (IndexError), or for a
+    ``num_items_in_batch`` tensor that is negative or not finite (ValueError; ``divisor`` is it
+    as ``_divisor`` made it). Both are checked on the device and read back in one host sync."""
+    bad_labels = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    bad = bad_labels.any()
+    bad_divisor = None
+    if isinstance(divisor, torch.Tensor):
+        bad_divisor = ~(torch.isfinite(divisor) & (divisor >= 0))
+        bad = bad | bad_divisor
+    if not bool(bad):
         return
-    position = int(bad.nonzero()[0, 0])
+    if bad_divisor is not None and bool(bad_divisor):
+        raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
+    position = int(bad_labels.nonzero()[0, 0])
     value = int(labels[position])
     raise IndexError(
         f"label {value} at flat position {position} is outside [0, {vocab}) and is not "
