@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -139,6 +142,168 @@ def test_bad_targets_and_options():
         lp.apply_liger_to(tiny_model("llama"), label_smoothing=1.5)
     with pytest.raises(TypeError, match="ModelSpec"):
         lp.register_model("x", {"body": "model"})
+
+
+def test_revert_and_liger_patched_refuse_non_models():
+    with pytest.raises(
+        TypeError, match="revert_liger expects a model, a model class or a model_type string, got int"
+    ):
+        lp.revert_liger(42)
+    with (
+        pytest.raises(TypeError, match="liger_patched expects a model, a model class or a model_type string"),
+        lp.liger_patched(42),
+    ):
+        pass
+
+
+def random_op_inputs(seed: int = 0):
+    """hidden (N, H), weight (V, H) and labels for calling the op directly."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(6, 8, generator=g),
+        torch.randn(16, 8, generator=g),
+        torch.randint(0, 16, (6,), generator=g),
+    )
+
+
+# (option, value) pairs the op refuses: apply_liger_to must refuse them too, instead of
+# accepting them and failing on every forward.
+OPTIONS_THE_OP_REFUSES = [
+    ("z_loss_scale", float("inf")),
+    ("z_loss_scale", float("nan")),
+    ("z_loss_scale", -1.0),
+    ("label_smoothing", float("nan")),
+    ("label_smoothing", 1.5),
+    ("label_smoothing", -0.1),
+]
+
+
+@pytest.mark.parametrize(("option", "value"), OPTIONS_THE_OP_REFUSES, ids=str)
+def test_options_the_op_refuses_are_refused_at_apply(option, value):
+    with pytest.raises(ValueError, match=option):  # the op's own rule
+        lp.fused_linear_cross_entropy(*random_op_inputs(), **{option: value})
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=option):
+        lp.apply_liger_to(model, **{option: value})
+    assert not is_liger_forward(model.forward)
+
+
+@pytest.mark.parametrize("value", ["0.1", "abc", None, [0.1]], ids=repr)
+@pytest.mark.parametrize("option", ["z_loss_scale", "label_smoothing"])
+def test_non_number_options_are_refused_naming_the_option(option, value):
+    with pytest.raises((TypeError, ValueError), match=option):
+        lp.apply_liger_to(tiny_model("llama"), **{option: value})
+
+
+def test_label_smoothing_one_is_accepted_as_the_op_accepts_it():
+    """The op (like F.cross_entropy) takes label_smoothing in [0, 1]; apply used to refuse 1.0."""
+    model = tiny_model("llama", seed=2)
+    batch = make_batch(seed=3)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    model.train()
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    expected = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).double(), targets.flatten(), label_smoothing=1.0
+    )
+    lp.apply_liger_to(model, label_smoothing=1.0)
+    out = model(**batch)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Rows registered in the test are dropped after it (other tests see the registry as it was)."""
+    from liger_patch.patching import registry
+
+    monkeypatch.setattr(registry, "_ROWS_BY_CLASS", dict(registry._ROWS_BY_CLASS))
+    monkeypatch.setattr(registry, "_ROWS_BY_MODEL_TYPE", dict(registry._ROWS_BY_MODEL_TYPE))
+
+
+def tiny_gpt2(cls, seed: int = 0):
+    """A GPT-2 (decoder body ``transformer``, not ``model``) without dropout, in train mode."""
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(seed)
+    return cls(config).train()
+
+
+def test_unregistered_model_hint_names_the_paths_it_really_has(scratch_registry):
+    class MyGPT2(transformers.GPT2LMHeadModel):  # no registry row (GPT-2 has none either)
+        pass
+
+    assert "gpt2" not in lp.supported_models()
+    model = tiny_gpt2(MyGPT2, seed=1)
+    reference = copy.deepcopy(model)
+    with pytest.raises(lp.UnsupportedModelError) as refused:
+        lp.apply_liger_to(model)
+    message = str(refused.value)
+    assert "body='transformer', head='lm_head'" in message
+    assert "guessed" not in message  # read from the instance, not guessed
+    # The suggestion, pasted as it is, patches the model and gives the unpatched loss.
+    suggestion = re.search(r"liger_patch\.register_model\(.*?\)\)", message).group(0)
+    exec(suggestion, {"liger_patch": lp, "MyGPT2": MyGPT2})
+    lp.apply_liger_to(model)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
+
+
+def test_unregistered_class_hint_says_what_it_guessed():
+    class MyGPT2(transformers.GPT2LMHeadModel):
+        pass
+
+    with pytest.raises(lp.UnsupportedModelError, match=r"body='transformer', head='lm_head'\)\) \(guessed"):
+        lp.apply_liger_to(MyGPT2)
+
+
+@pytest.mark.parametrize(
+    ("role", "path"), [("body", "nonexistent"), ("head", "output"), ("body", "model.decoder")]
+)
+def test_registered_row_with_a_wrong_path_is_refused_at_apply(scratch_registry, role, path):
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", **{role: path}))
+    model = MyLlama(tiny_model("llama").config).train()
+    children = "embed_tokens, layers, norm, rotary_emb" if path.startswith("model.") else "model, lm_head"
+    with pytest.raises(lp.UnsupportedModelError, match=rf"{role}='{path}'.*child modules are: {children}"):
+        lp.apply_liger_to(model)
+    assert not is_liger_forward(model.forward)
+    with pytest.warns(UserWarning, match=f"{role}='{path}'"):
+        lp.apply_liger_to(model, strict=False)
+    assert not is_liger_forward(model.forward)
+    assert model(**make_batch()).logits is not None
+
+
+def test_class_patch_with_a_wrong_path_names_it_at_the_forward(scratch_registry):
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", body="nonexistent"))
+    with class_patch(MyLlama):
+        model = MyLlama(tiny_model("llama").config).train()
+        with pytest.raises(AttributeError, match="MyLlama has no submodule 'nonexistent'.*child modules are"):
+            model(**make_batch())
+
+
+def test_import_pulls_in_no_transformers():
+    """`import liger_patch` must stay cheap: transformers (~1 s), peft and torch.distributed's
+    FSDP/DTensor modules are imported when a model is patched, not before."""
+    heavy = (
+        "transformers",
+        "transformers.modeling_utils",
+        "peft",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+    )
+    code = f"import sys, liger_patch; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_patching_after_an_instance_level_wrapper_warns():

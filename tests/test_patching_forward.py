@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from tests.patching_helpers import device_and_dtype, make_batch, tiny_model
+from tests.patching_helpers import available_model_types, device_and_dtype, make_batch, tiny_model
 
 TOL = 1e-5 if device_and_dtype()[1] == torch.float32 else 2e-2
 
@@ -62,12 +62,58 @@ def test_logits_to_keep_with_matching_shift_labels(pair):
     close(patched(**batch, logits_to_keep=4, shift_labels=shift_labels).loss, expected)
 
 
-def test_return_dict_false_gives_the_tuple(pair):
-    reference, patched = pair
-    batch = make_batch()
-    out = patched(**batch, return_dict=False)
-    assert isinstance(out, tuple)
-    close(out[0], reference(**batch).loss)
+def assert_same_values(a, b, where="output"):
+    """Tensors close, tuples/lists slot for slot, anything else (a cache) of the same type."""
+    if torch.is_tensor(b):
+        assert torch.is_tensor(a), f"{where}: {type(a).__name__} where the original has a tensor"
+        close(a, b)
+    elif isinstance(b, (tuple, list)):
+        assert isinstance(a, (tuple, list)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_values(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+
+
+RETURN_DICT_CALLS = {
+    "defaults": {},
+    "no-cache": {"use_cache": False},
+    "hidden-states": {"output_hidden_states": True},
+    "no-router-logits": {"output_router_logits": False},  # MoE only: no aux_loss / router_logits slots
+}
+RETURN_DICT_CASES = [
+    pytest.param(model_type, kwargs, id=f"{model_type}-{name}")
+    for model_type in ("llama", "qwen2_moe", "mixtral")
+    if model_type in available_model_types()
+    for name, kwargs in RETURN_DICT_CALLS.items()
+    if "output_router_logits" not in kwargs or lp.supported_models()[model_type].moe is not None
+]
+
+
+@pytest.mark.parametrize("return_logits", [False, True], ids=["fused", "return-logits"])
+@pytest.mark.parametrize(("model_type", "kwargs"), RETURN_DICT_CASES)
+def test_return_dict_false_tuple_matches_the_original_slot_for_slot(
+    model_type, kwargs, return_logits, monkeypatch
+):
+    """Same length and order as the unpatched tuple for the same call; the logits slot holds
+    None (fused) or the real logits (LIGER_RETURN_LOGITS=1), never the next field."""
+    reference = tiny_model(model_type, seed=1)
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    monkeypatch.setenv("LIGER_RETURN_LOGITS", "1" if return_logits else "0")
+    batch = make_batch(seed=4)
+    expected = reference(**batch, return_dict=False, **kwargs)
+    logits_slot = list(reference(**batch, **kwargs).keys()).index("logits")
+    out = patched(**batch, return_dict=False, **kwargs)
+
+    assert isinstance(out, tuple) and len(out) == len(expected), (
+        f"{len(out)} slots {[type(v).__name__ for v in out]}, the original has {len(expected)}"
+    )
+    for slot, (value, original) in enumerate(zip(out, expected, strict=True)):
+        if slot == logits_slot and not return_logits:
+            assert value is None, f"slot {slot} (logits) must be None in the fused path"
+        else:
+            assert_same_values(value, original, f"slot {slot}")
 
 
 def test_positional_arguments(pair):

@@ -20,6 +20,7 @@ logits, computed exactly like the original head does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -35,11 +36,6 @@ import torch.nn.functional as F
 from liger_patch import env
 from liger_patch.patching.registry import ModelSpec
 from liger_patch.patching.sharded_head import fused_head_loss, is_dtensor, sharded_head_reason
-
-try:  # transformers 5.x names the slicing (and adds 2-D position/mask forms); 4.57 sliced inline
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:
-    slice_logits_to_keep = None
 
 STATE_ATTR = "_liger_patch_state"
 ORIGINAL_ATTR = "__liger_original__"
@@ -99,11 +95,64 @@ class PatchState:
     warned_unfusable_head: bool = False
 
 
+# --------------------------------------------------------------------------------------------
+# Imports made on first use: importing transformers (or peft) costs about a second, and
+# ``import liger_patch`` must not pay it. ``make_liger_forward`` fills the cache eagerly, so
+# the patched forward (also when torch.compile traces it) only reads a dict.
+# --------------------------------------------------------------------------------------------
+
+_LAZY: dict[str, Any] = {}
+
+
+def _load_lazy_imports() -> dict[str, Any]:
+    """The transformers/peft names the patched forward uses, imported once and cached."""
+    if not _LAZY:
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        try:  # transformers 5.x names the slicing (and adds 2-D position/mask forms); 4.57 sliced inline
+            from transformers.modeling_utils import slice_logits_to_keep
+        except ImportError:
+            slice_logits_to_keep = None
+        try:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError:
+            BaseTunerLayer = ()  # noqa: N806 - peft absent: nothing can be a peft layer
+        _LAZY.update(
+            dense_output=CausalLMOutputWithPast,
+            moe_output=MoeCausalLMOutputWithPast,
+            slice_logits_to_keep=slice_logits_to_keep,
+            peft_tuner_layer=BaseTunerLayer,
+        )
+    return _LAZY
+
+
+def missing_path_message(model: nn.Module, path: str) -> str | None:
+    """Why ``model.<path>`` is not a submodule, naming the child modules that are there; else ``None``.
+
+    Registry rows name the body and head by attribute path; a wrong path should be reported as
+    such (with what the model does have), not as an AttributeError from inside a forward.
+    """
+    obj: Any = model
+    names = path.split(".")
+    for depth, name in enumerate(names):
+        child = getattr(obj, name, None)
+        if not isinstance(child, nn.Module):
+            owner = ".".join([type(model).__name__, *names[:depth]])
+            children = ", ".join(n for n, _ in obj.named_children()) or "none"
+            return f"{owner} has no submodule {name!r} (path {path!r}); its child modules are: {children}"
+        obj = child
+    return None
+
+
 def get_submodule_path(model: nn.Module, path: str) -> Any:
     """``model.<path>`` for a dotted attribute path such as ``"model"`` or ``"transformer.h"``."""
     obj: Any = model
-    for name in path.split("."):
-        obj = getattr(obj, name)
+    try:
+        for name in path.split("."):
+            obj = getattr(obj, name)
+    except AttributeError as error:
+        message = missing_path_message(model, path) or str(error)
+        raise AttributeError(f"liger_patch: {message}; fix the ModelSpec registered for it") from error
     return obj
 
 
@@ -124,11 +173,8 @@ def _active_modules_to_save_copy(head: nn.Module) -> nn.Module:
 
 def _is_peft_adapter_layer(module: nn.Module) -> bool:
     """True for peft tuner layers (LoRA & co.): their ``.weight`` is the base weight only."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        BaseTunerLayer = ()  # noqa: N806 - peft absent: nothing can be a peft layer
-    return isinstance(module, BaseTunerLayer) or type(module).__module__.startswith("peft.tuners")
+    tuner_layer = _load_lazy_imports()["peft_tuner_layer"]
+    return isinstance(module, tuner_layer) or type(module).__module__.startswith("peft.tuners")
 
 
 def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, str]:
@@ -176,6 +222,7 @@ def unfusable_head_message(model: nn.Module, reason: str) -> str:
 
 def keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """Slice hidden states exactly as the original forward slices them before its head."""
+    slice_logits_to_keep = _load_lazy_imports()["slice_logits_to_keep"]
     if slice_logits_to_keep is not None:
         return slice_logits_to_keep(hidden, logits_to_keep)
     positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -247,9 +294,20 @@ def _body_arguments(body: nn.Module, call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output_class(spec: ModelSpec) -> type:
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+    """The output dataclass the original forward returns: the MoE one for MoE rows."""
+    return _load_lazy_imports()["moe_output" if spec.moe is not None else "dense_output"]
 
-    return MoeCausalLMOutputWithPast if spec.moe is not None else CausalLMOutputWithPast
+
+def _as_tuple(output: Any) -> tuple:
+    """``output.to_tuple()`` as the unpatched model's ``return_dict=False`` gives it, slot for slot.
+
+    ``to_tuple()`` drops ``None`` fields. The unpatched model always has logits, so dropping the
+    fused path's ``None`` logits would shift every later field (``past_key_values`` would land
+    where callers read logits). The logits slot is kept (``None``, or the real logits with
+    ``LIGER_RETURN_LOGITS=1``); every other field is dropped when ``None``, as the original does.
+    """
+    values = ((f.name, getattr(output, f.name)) for f in dataclasses.fields(output))
+    return tuple(value for name, value in values if value is not None or name == "logits")
 
 
 def _body_field(outputs: Any, name: str) -> Any:
@@ -339,7 +397,7 @@ def fused_causal_lm_forward(
     output = output_cls(**{k: v for k, v in fields.items() if k in output_cls.__dataclass_fields__})
     # An attribute, not a field: it stays out of to_tuple() and of the Trainer's logits tuple.
     output.z_loss = z_loss
-    return output if return_dict else output.to_tuple()
+    return output if return_dict else _as_tuple(output)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,6 +427,7 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
     given, is what runs on the original path. ``fallback(self, *args, **kwargs)`` replaces it
     when the instance already had its own forward (another wrapper) that must keep running.
     """
+    _load_lazy_imports()  # here, eagerly: the forward itself (maybe under torch.compile) then imports nothing
     run_original = fallback if fallback is not None else original
     parameters = list(inspect.signature(original).parameters.values())[1:]
     positional_names = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]

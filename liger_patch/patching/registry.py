@@ -26,7 +26,8 @@ __all__ = [
 
 
 class UnsupportedModelError(TypeError):
-    """Raised by ``apply_liger_to(..., strict=True)`` for an architecture with no registry row."""
+    """Raised by ``apply_liger_to(..., strict=True)`` for an architecture with no registry row,
+    or whose row names a body or head path that the model does not have."""
 
 
 @dataclass(frozen=True)

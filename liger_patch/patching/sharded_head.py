@@ -29,18 +29,13 @@ error from deep inside a kernel.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from liger_patch.ops import fused_linear_cross_entropy
-
-try:  # builds without torch.distributed (some macOS wheels) have neither
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    FSDPModule = DTensor = ()  # type: ignore[assignment,misc]
 
 __all__ = [
     "ShardedHeadError",
@@ -57,9 +52,32 @@ class ShardedHeadError(RuntimeError):
     """The head's weight is still sharded where the fused loss needs the full weight."""
 
 
+def _loaded_class(module_name: str, class_name: str) -> type | tuple[()]:
+    """``module_name.class_name`` if that module is already imported, else ``()``.
+
+    A DTensor or an FSDP2 module can exist only once its class's module has been imported, so
+    looking in ``sys.modules`` answers ``isinstance`` exactly without importing
+    ``torch.distributed.fsdp`` / ``.tensor``, which would add half a second to ``import
+    liger_patch``. ``()`` matches nothing in ``isinstance`` (also on builds without
+    ``torch.distributed``).
+    """
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, ()) if module is not None else ()
+
+
+def _dtensor_class() -> type | tuple[()]:
+    """``DTensor`` once loaded (FSDP2 shards and tensor-parallel weights are DTensors)."""
+    return _loaded_class("torch.distributed.tensor", "DTensor")
+
+
+def _fsdp_module_class() -> type | tuple[()]:
+    """``FSDPModule`` once loaded (``fully_shard`` makes every sharded module one)."""
+    return _loaded_class("torch.distributed.fsdp", "FSDPModule")
+
+
 def is_dtensor(tensor: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard or a tensor-parallel weight)."""
-    return bool(DTensor) and isinstance(tensor, DTensor)
+    return isinstance(tensor, _dtensor_class())
 
 
 def is_zero3_partitioned(tensor: Any) -> bool:
@@ -81,13 +99,14 @@ def _head_tensors(head: nn.Module) -> tuple[torch.Tensor, ...]:
 
 def head_weight_is_managed(head: nn.Module) -> bool:
     """True when a sharding wrapper materialises the head's weight only around the head's call."""
-    if bool(FSDPModule) and isinstance(head, FSDPModule):
+    if isinstance(head, _fsdp_module_class()):
         return True
     return any(is_dtensor(t) or is_zero3_partitioned(t) for t in _head_tensors(head))
 
 
 def _under_fsdp2(model: nn.Module) -> bool:
-    return bool(FSDPModule) and any(isinstance(m, FSDPModule) for m in model.modules())
+    fsdp_module = _fsdp_module_class()
+    return bool(fsdp_module) and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
 def sharded_head_reason(model: nn.Module, head: nn.Module) -> str:
