@@ -222,3 +222,13 @@ def test_ignore_index_beyond_int64(gen, device, ignore_index):
     h, w, y, _ = _inputs(gen, device)
     with pytest.raises(ValueError, match="ignore_index must fit in int64"):
         call_raw(h, w, y, ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("name", ["label_smoothing", "z_loss_scale", "softcap", "logit_scale"])
+@pytest.mark.parametrize(
+    "value", ["abc", "0.1", [0.1], object()], ids=["text", "numeric_text", "list", "object"]
+)
+def test_non_number_options_name_the_option(gen, device, name, value):
+    h, w, y, _ = _inputs(gen, device)
+    with pytest.raises(TypeError, match=f"{name} must be a number"):
+        call_raw(h, w, y, **{name: value})

@@ -237,12 +237,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def _loss_options(
     ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, **_ignored
 ) -> LossOptions:
+    def optional(name: str, value: object) -> float | None:
+        return None if value is None else validation.option_float(name, value)
+
     return LossOptions(
         ignore_index=ignore_index,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=None if logit_scale is None else float(logit_scale),
+        label_smoothing=validation.option_float("label_smoothing", label_smoothing),
+        z_loss_scale=validation.option_float("z_loss_scale", z_loss_scale),
+        softcap=optional("softcap", softcap),
+        logit_scale=optional("logit_scale", logit_scale),
     )
 
 

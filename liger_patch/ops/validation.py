@@ -13,6 +13,17 @@ BACKENDS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def option_float(name: str, value: object) -> float:
+    """``float(value)`` for a numeric option; a string or a non-number is refused, naming ``name``
+    (``float("0.1")`` would quietly accept text, ``float("abc")`` fail without saying which option)."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+            pass
+    raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
 def check_column_block(vocab: int, col_offset: int, vocab_total: int | None, has_lse: bool) -> None:
     """A row kernel given a block of columns of wider rows cannot compute those rows'
     log-sum-exp: it must be given it (``lse_in``)."""

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch.nn as nn
 
 from liger_patch.ops.options import LossOptions, parse_memory_budget
-from liger_patch.ops.validation import check_options
+from liger_patch.ops.validation import check_options, option_float
 from liger_patch.patching.forward import (
     STATE_ATTR,
     PatchState,
@@ -154,19 +154,11 @@ def _spec_mismatch(model: nn.Module, spec: ModelSpec) -> str | None:
 _OPTION_NAMES = ("z_loss_scale", "label_smoothing", "memory_budget")
 
 
-def _as_float(name: str, value: Any) -> float:
-    """``float(value)`` as the op converts it; a string or non-number is refused, naming ``name``."""
-    if not isinstance(value, (str, bytes)):
-        with contextlib.suppress(TypeError, ValueError, RuntimeError):  # RuntimeError: a multi-element tensor
-            return float(value)
-    raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-
-
 def _validate_options(z_loss_scale: Any, label_smoothing: Any, memory_budget: Any) -> None:
     """Refuse at apply time what the fused loss would refuse on every forward: the op's own rules."""
     options = LossOptions(
-        z_loss_scale=_as_float("z_loss_scale", z_loss_scale),
-        label_smoothing=_as_float("label_smoothing", label_smoothing),
+        z_loss_scale=option_float("z_loss_scale", z_loss_scale),
+        label_smoothing=option_float("label_smoothing", label_smoothing),
     )
     check_options(options, "mean", "auto", None)
     if memory_budget is not None:
