@@ -1,30 +1,40 @@
-"""TRL's SFTTrainer with the fused loss (needs ``pip install trl datasets``).
+"""TRL's SFTTrainer with the fused loss (needs ``pip install -e ".[examples]"``, i.e. trl).
 
-    python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B
+    python examples/trl_sft.py                                    # tiny Llama, CPU or GPU, offline
+    python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B [--lora]  # a hub checkpoint or a local path
 
-SFTTrainer is a transformers ``Trainer``, so the same callback works. Two TRL settings matter:
+SFTTrainer is a transformers ``Trainer``, so the same callback works. Settings that matter:
 
 * ``use_liger_kernel=False`` (the default): liger_patch replaces it; do not enable both.
-* TRL's ``compute_loss`` logs entropy and token accuracy computed from ``outputs.logits``
-  unless ``use_liger_kernel=True``. A fused training step builds no logits, so the trainer
-  below skips those two metrics (the loss is untouched). To keep them instead, set
-  ``LIGER_RETURN_LOGITS=1`` and use plain ``SFTTrainer``: same loss, but the logits memory
-  comes back.
+* SFTTrainer computes its own loss and logs entropy and token accuracy (recent TRL through its
+  own fused head, ``fused_lm_head=True``; older TRL from ``outputs.logits``). The trainer below
+  instead takes the loss the patched model returns, as ``transformers.Trainer`` does, and so
+  skips those two metrics (the loss is untouched). To keep them, use plain ``SFTTrainer``
+  without the callback.
+
+The default model is built from a config (2 layers, hidden 64, vocabulary 1000) with a byte-level
+tokenizer built in this file, so nothing is downloaded; bf16 is used only where the GPU supports it.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
 from datasets import Dataset
-from transformers import Trainer
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Trainer
 from trl import SFTConfig, SFTTrainer
 
 from liger_patch import LigerPatchCallback
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 class FusedLossSFTTrainer(SFTTrainer):
-    """SFTTrainer without its logits-based metrics, which a fused step cannot feed."""
+    """SFTTrainer whose loss is the model's own (the fused one), without its logits-based metrics."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs["use_cache"] = False  # as SFTTrainer does: no KV cache while training
@@ -33,13 +43,43 @@ class FusedLossSFTTrainer(SFTTrainer):
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B")
-    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (needs peft)")
-    args = parser.parse_args()
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (256 bytes + 3 special tokens) with a chat template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    dataset = Dataset.from_list(
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", *sorted(alphabet)])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_model():
+    """A tiny random Llama whose vocabulary covers ``tiny_tokenizer``."""
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def arithmetic_chats(n: int) -> Dataset:
+    """``n`` two-turn conversations in TRL's conversational format."""
+    return Dataset.from_list(
         [
             {
                 "messages": [
@@ -47,9 +87,19 @@ def main() -> None:
                     {"role": "assistant", "content": f"{i} + {i} = {2 * i}."},
                 ]
             }
-            for i in range(256)
+            for i in range(n)
         ]
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="hub name or local path (default: tiny random Llama)")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (needs peft)")
+    parser.add_argument("--output-dir", default="out/trl_sft")
+    args = parser.parse_args(argv)
+
     peft_config = None
     if args.lora:
         from peft import LoraConfig
@@ -59,24 +109,28 @@ def main() -> None:
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
 
     config = SFTConfig(
-        output_dir="out/trl_sft",
+        output_dir=args.output_dir,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
-        max_steps=50,
-        logging_steps=5,
-        learning_rate=2e-5,
-        bf16=True,
+        max_steps=args.steps,
+        logging_steps=max(1, args.steps // 10),
+        learning_rate=2e-5 if args.model else 1e-3,
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         use_liger_kernel=False,
+        save_strategy="no",
         report_to=[],
     )
     trainer = FusedLossSFTTrainer(
-        model=args.model,
+        model=args.model or tiny_model(),
         args=config,
-        train_dataset=dataset,
+        train_dataset=arithmetic_chats(256),
+        processing_class=None if args.model else tiny_tokenizer(),  # a hub model brings its own
         peft_config=peft_config,
         callbacks=[LigerPatchCallback()],
     )
     trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    print(f"first logged loss {losses[0]:.4f}, last logged loss {losses[-1]:.4f}")
 
 
 if __name__ == "__main__":
