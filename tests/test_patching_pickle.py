@@ -112,7 +112,8 @@ def test_model_pickled_without_the_reducer_is_patchable_again():
     applying patches it again, and revert cleans it up."""
     model = tiny_model("llama", seed=4)
     lp.apply_liger_to(model)
-    vars(model).pop("__reduce_ex__", None)  # pickled as older liger_patch versions pickled it
+    for name in ("__reduce_ex__", "_replicate_for_data_parallel"):  # as older versions pickled it
+        vars(model).pop(name, None)
     batch = make_batch(seed=9)
     expected = model(**batch).loss
     stale = pickle.loads(pickle.dumps(model))
@@ -122,3 +123,34 @@ def test_model_pickled_without_the_reducer_is_patchable_again():
     lp.revert_liger(stale)
     assert not is_liger_forward(stale.forward) and STATE_ATTR not in vars(stale)
     assert "forward" not in vars(stale)
+
+
+def test_data_parallel_replica_runs_its_own_forward():
+    """``nn.DataParallel`` (which the HF Trainer uses on several GPUs under plain ``python``)
+    replicates a module by copying its ``__dict__``: the patched forward must be bound to each
+    replica, not to the original module on the first GPU."""
+    model = tiny_model("llama", seed=3)
+    lp.apply_liger_to(model)
+    batch = make_batch(seed=11)
+    expected = model(**batch).loss.detach()
+    replica = model._replicate_for_data_parallel()
+    assert replica.forward.__self__ is replica
+    assert replica._replicate_for_data_parallel.__self__ is replica
+    replica.lm_head = copy.deepcopy(model.lm_head)  # a replica's own parameters, as on another GPU
+    out = replica(**batch)
+    assert out.logits is None
+    out.loss.backward()
+    assert replica.lm_head.weight.grad is not None and model.lm_head.weight.grad is None
+    torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-6, atol=1e-6)
+    lp.revert_liger(model)
+    assert "_replicate_for_data_parallel" not in vars(model)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs two CUDA devices")
+def test_data_parallel_on_two_gpus():
+    model = tiny_model("llama", seed=3).cuda()
+    lp.apply_liger_to(model)
+    batch = {k: v.cuda() for k, v in make_batch(seed=11).items()}
+    expected = model(**batch).loss.detach()
+    out = torch.nn.DataParallel(model)(**batch)
+    torch.testing.assert_close(out.loss.mean().detach(), expected, rtol=1e-3, atol=1e-3)

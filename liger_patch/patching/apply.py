@@ -186,6 +186,9 @@ def _own_state(obj: Any) -> PatchState | None:
 # --------------------------------------------------------------------------------------------
 
 _REDUCER_ATTR = "__reduce_ex__"
+_REPLICATE_ATTR = "_replicate_for_data_parallel"
+_HELPER_ATTRS = (_REDUCER_ATTR, _REPLICATE_ATTR)
+"""Instance methods a patch adds beside the forward, each bound to the instance."""
 
 
 def _reduce_patched_instance(self: nn.Module, protocol: int) -> Any:
@@ -193,7 +196,7 @@ def _reduce_patched_instance(self: nn.Module, protocol: int) -> Any:
     reduced = type(self).__reduce_ex__(self, protocol)
     if not (isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict)):
         return reduced  # a class with its own pickling: left as it is (apply_liger_to re-patches)
-    state = {k: v for k, v in reduced[2].items() if k not in ("forward", _REDUCER_ATTR)}
+    state = {k: v for k, v in reduced[2].items() if k != "forward" and k not in _HELPER_ATTRS}
     return (_rebuild_patched, (reduced[0], reduced[1]), state, *reduced[3:])
 
 
@@ -218,7 +221,8 @@ def _setstate_and_repatch(self: nn.Module, state: dict[str, Any]) -> None:
 
 
 def _install_instance_forward(obj: nn.Module, state: PatchState) -> None:
-    """Give an instance the generic forward (unless its class is patched) and its reducer."""
+    """Give an instance the generic forward (unless its class is patched), its reducer and its
+    DataParallel replicator."""
     cls_forward = type(obj).forward
     if is_liger_forward(cls_forward):
         return  # the class patch serves this instance; only its options are its own
@@ -228,6 +232,18 @@ def _install_instance_forward(obj: nn.Module, state: PatchState) -> None:
         fallback = lambda self, *args, **kwargs: previous(*args, **kwargs)  # noqa: ARG005, E731
     obj.forward = types.MethodType(make_liger_forward(cls_forward, fallback), obj)
     setattr(obj, _REDUCER_ATTR, types.MethodType(_reduce_patched_instance, obj))
+    setattr(obj, _REPLICATE_ATTR, types.MethodType(_replicate_patched_instance, obj))
+
+
+def _replicate_patched_instance(self: nn.Module) -> nn.Module:
+    """``nn.DataParallel``'s replica of a patched instance, its methods bound to the replica.
+
+    A replica starts as a copy of the instance's ``__dict__``, so the patched forward would still
+    be bound to the original module (on the first GPU) and every replica would run it there.
+    """
+    replica = type(self)._replicate_for_data_parallel(self)
+    _install_instance_forward(replica, _own_state(replica))
+    return replica
 
 
 def _is_stale(obj: Any) -> bool:
@@ -249,7 +265,8 @@ def _forget_stale_patch(obj: Any) -> None:
         return
     delattr(obj, STATE_ATTR)
     vars(obj).pop("forward", None)
-    vars(obj).pop(_REDUCER_ATTR, None)
+    for name in _HELPER_ATTRS:
+        vars(obj).pop(name, None)
 
 
 def _install(obj: Any, spec: ModelSpec, options: dict[str, Any]) -> None:
@@ -362,7 +379,8 @@ def _uninstall(obj: Any) -> None:
         return
     delattr(obj, STATE_ATTR)
     if not isinstance(obj, type):
-        vars(obj).pop(_REDUCER_ATTR, None)
+        for name in _HELPER_ATTRS:
+            vars(obj).pop(name, None)
     if is_liger_forward(vars(obj).get("forward")):
         if state.had_own_forward:
             obj.forward = state.previous_forward
