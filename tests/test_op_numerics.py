@@ -168,3 +168,43 @@ def test_hidden_size_zero(gen, device, backend, reduction):
     ref.sum().backward()
     assert hidden.grad.shape == (3, 0) and weight.grad.shape == (5, 0)
     assert_close("grad bias", bias.grad, ref_bias.grad, FP32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saturated_softcap_keeps_its_gradient(device, backend):
+    """Past |x / cap| ~ 9, fp32 ``1 - tanh^2`` is exactly 0; the true derivative is not (found by
+    the fuzz suite on the torch backend)."""
+    h = torch.tensor([[1.0], [-0.5]], device=device)
+    w = torch.tensor([[20.0], [-17.0]], device=device, requires_grad=True)
+    labels = torch.tensor([0, 0], device=device)
+    call_raw(h, w, labels, backend=backend, reduction="sum", softcap=1.0).backward()
+    w64 = w.detach().cpu().double().requires_grad_()
+    ref, _ = reference_flce(h.cpu().double(), w64, labels.cpu(), reduction="sum", softcap=1.0)
+    ref.backward()
+    torch.testing.assert_close(w.grad.cpu().double(), w64.grad, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recomputed_logits_above_the_saved_lse_stay_finite(gen, device, backend):
+    """The two-pass path recomputes logits with another GEMM than the one the log-sum-exp came
+    from; at logits of ~1e13 one rounding apart, exp(z - lse) overflowed to inf (fuzz finding)."""
+    h = torch.randn(600, 8, generator=gen).to(device)
+    w = (torch.randn(3, 8, generator=gen) * 1e12).to(device).requires_grad_()
+    y = torch.randint(0, 3, (600,), generator=gen).to(device)
+    budget = (2 << 20) + 32 * 600 + 8 * 3 * 4  # a few rows per chunk: the two-pass path
+    call_raw(h, w, y, backend=backend, reduction="sum", memory_budget=budget).backward()
+    assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_with_hidden_a_view_of_weight(gen, device, backend):
+    """create_graph=True where hidden = weight[:N]: the first-order gradient must not count the
+    path through hidden twice (fuzz finding: off by ~1 before)."""
+    w = torch.randn(5, 3, generator=gen).to(device).requires_grad_()
+    y = torch.tensor([1, 4], device=device)
+    (plain,) = torch.autograd.grad(call_raw(w[:2], w, y, backend=backend), w)
+    (graph,) = torch.autograd.grad(call_raw(w[:2], w, y, backend=backend), w, create_graph=True)
+    w64 = w.detach().cpu().double().requires_grad_()
+    (ref,) = torch.autograd.grad(reference_flce(w64[:2], w64, y.cpu())[0], w64)
+    assert_close("grad, create_graph=True", graph, ref, FP32)
+    assert_close("grad", plain, ref, FP32)

@@ -135,6 +135,9 @@ def _differentiable_grads(ctx, grad_loss, grad_z) -> tuple:
     (per row for "none"), as the forward computes it.
     """
     hidden, weight, bias, labels, row_weight, _ = ctx.saved_tensors
+    # Fresh views: when one input is a view of another (hidden = weight[:N]), autograd.grad with
+    # respect to the inputs themselves would count the path through the other one twice.
+    hidden, weight, bias = (None if t is None else t.view_as(t) for t in (hidden, weight, bias))
     needs = ctx.needs_input_grad[:3]
     inputs = [t for t, need in zip((hidden, weight, bias), needs, strict=True) if need]
     logits = hidden.float() @ weight.float().t()

@@ -45,11 +45,7 @@ def ce_rows_torch(
     x = logits.float()
     if opts.logit_scale is not None:
         x = x * opts.scale
-    if opts.softcap is not None:
-        tanh = torch.tanh(x / opts.softcap)
-        z = opts.softcap * tanh
-    else:
-        z = x
+    z = x if opts.softcap is None else opts.softcap * torch.tanh(x / opts.softcap)
     if lse_in is None:
         lse = torch.logsumexp(z, dim=-1)
         ce = lse - z.gather(-1, safe_labels).squeeze(-1)
@@ -62,13 +58,16 @@ def ce_rows_torch(
     if grad is not None:
         # d ce / dz = softmax - (1-eps) onehot(y) - eps/V ;  d (s lse^2) / dz = 2 s lse softmax
         coef_p = coef_ce + 2.0 * opts.z_loss_scale * lse * coef_z
-        g = torch.exp(z - lse.unsqueeze(-1)) * coef_p.unsqueeze(-1)
+        # p <= 1: with lse_in from another GEMM a logit may round above it (exp could overflow).
+        g = torch.exp((z - lse.unsqueeze(-1)).clamp_max_(0.0)) * coef_p.unsqueeze(-1)
         at_label = torch.where(in_block, coef_ce * (1.0 - opts.label_smoothing), 0.0)
         g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
         if opts.label_smoothing:
             g -= (coef_ce * (opts.label_smoothing / vocab_total)).unsqueeze(-1)
         if opts.softcap is not None:
-            g *= 1.0 - tanh * tanh
+            # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
+            e = torch.exp(-2.0 * (x / opts.softcap).abs())
+            g *= 4.0 * e / (1.0 + e).square()
         if opts.logit_scale is not None:
             g *= opts.scale
         g = torch.where(keep.unsqueeze(-1), g, 0.0)

@@ -176,7 +176,9 @@ def _ce_rows_kernel(
                     z = z * logit_scale
                 if HAS_SOFTCAP:
                     z, d_softcap = SOFTCAP_FN(z, softcap)
-                g = coef_p * tl.exp(z - lse) - flat
+                # p <= 1: where lse came from another GEMM (the forward's, or the fused one's
+                # partials) a logit may round above it, and exp of that can overflow.
+                g = coef_p * tl.exp(tl.minimum(z - lse, 0.0)) - flat
                 g = tl.where(cols == label_col, g - at_label, g)
                 if HAS_SOFTCAP:
                     g = g * d_softcap
