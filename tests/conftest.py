@@ -19,6 +19,39 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _register_hypothesis_profiles() -> None:
+    """Hypothesis profiles for the property-based tests (tests/test_op_fuzz.py), chosen by the
+    HYPOTHESIS_PROFILE environment variable (default "ci"):
+
+    - "ci": derandomized (the same examples on every run), no example database, bounded so
+      that the fuzz file stays within ~3 minutes on 2 CPU cores under the Triton interpreter;
+    - "dev": random seeds, 3x the examples, failures replayed first on the next run;
+    - "long": random seeds, 15x the examples (thousands per property; ~20-30 min on 2 cores).
+
+    Each test takes a share of the profile's ``max_examples`` (see ``examples`` in the fuzz
+    file), so the ratios between tests stay the same in every profile. The example database
+    lives under .pytest_cache (ignored by git), never in the working tree.
+    """
+    try:
+        from hypothesis import HealthCheck, Phase, settings
+        from hypothesis.database import DirectoryBasedExampleDatabase
+    except ImportError:  # hypothesis is only needed by the fuzz tests
+        return
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    database = DirectoryBasedExampleDatabase(os.path.join(repo_root, ".pytest_cache", "hypothesis"))
+    common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    fast_failure = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]  # no "explain" re-runs
+    settings.register_profile(
+        "ci", max_examples=400, derandomize=True, database=None, phases=fast_failure, **common
+    )
+    settings.register_profile("dev", max_examples=1200, database=database, **common)
+    settings.register_profile("long", max_examples=6000, database=database, **common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_register_hypothesis_profiles()
+
+
 def _matmul_precision() -> str:
     return (
         f"float32 matmul precision {torch.get_float32_matmul_precision()!r}, "
