@@ -78,7 +78,11 @@ def test_triton_softcap_is_accurate_to_a_few_ulp(device):
     t = torch.tanh(x.double().cpu() / cap)
     want_z, want_d = cap * t, 1.0 / torch.cosh(x.double().cpu() / cap) ** 2
     torch.testing.assert_close(z.cpu().double(), want_z, rtol=4e-7, atol=0.0)
-    torch.testing.assert_close(d.cpu().double(), want_d, rtol=2e-6, atol=1e-30)
+    # exp(-2|u|) in fp32 is off by up to ~|2u| ulp whatever the exp (its argument is rounded):
+    # the derivative's bound grows with |u| (the GPU's exp adds its own ~2 ulp).
+    rel = (d.cpu().double() - want_d).abs() / want_d
+    bound = 2e-6 + 4 * u.abs() * 2.0**-24
+    assert (rel <= bound).all(), f"1 - tanh^2 off by {float((rel / bound).max()):.3g}x its bound"
 
 
 @pytest.mark.parametrize("softcap", [30.0, 3.0])

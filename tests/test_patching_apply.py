@@ -269,7 +269,8 @@ def test_registered_row_with_a_wrong_path_is_refused_at_apply(scratch_registry, 
         pass
 
     lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", **{role: path}))
-    model = MyLlama(tiny_model("llama").config).train()
+    batch = make_batch()
+    model = MyLlama(tiny_model("llama").config).train().to(batch["input_ids"].device)
     children = "embed_tokens, layers, norm, rotary_emb" if path.startswith("model.") else "model, lm_head"
     with pytest.raises(lp.UnsupportedModelError, match=rf"{role}='{path}'.*child modules are: {children}"):
         lp.apply_liger_to(model)
@@ -277,7 +278,7 @@ def test_registered_row_with_a_wrong_path_is_refused_at_apply(scratch_registry, 
     with pytest.warns(UserWarning, match=f"{role}='{path}'"):
         lp.apply_liger_to(model, strict=False)
     assert not is_liger_forward(model.forward)
-    assert model(**make_batch()).logits is not None
+    assert model(**batch).logits is not None
 
 
 def test_class_patch_with_a_wrong_path_names_it_at_the_forward(scratch_registry):
@@ -286,9 +287,10 @@ def test_class_patch_with_a_wrong_path_names_it_at_the_forward(scratch_registry)
 
     lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", body="nonexistent"))
     with class_patch(MyLlama):
-        model = MyLlama(tiny_model("llama").config).train()
+        batch = make_batch()
+        model = MyLlama(tiny_model("llama").config).train().to(batch["input_ids"].device)
         with pytest.raises(AttributeError, match="MyLlama has no submodule 'nonexistent'.*child modules are"):
-            model(**make_batch())
+            model(**batch)
 
 
 def test_import_pulls_in_no_transformers():

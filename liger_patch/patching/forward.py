@@ -50,21 +50,30 @@ class ZLossTracker:
     """
 
     def __init__(self) -> None:
-        self._micro_sum: torch.Tensor | None = None
+        self._terms: list[torch.Tensor] = []  # this optimizer step's forwards so far
         self._step_sum: torch.Tensor | None = None
         self._steps = 0
 
     def add(self, z_loss: torch.Tensor) -> None:
-        """Record one forward's z-loss term (the part already inside its loss)."""
-        z_loss = z_loss.detach().float()
-        self._micro_sum = z_loss if self._micro_sum is None else self._micro_sum + z_loss
+        """Record one forward's z-loss term (the part already inside its loss). ``nn.DataParallel``
+        replicas call this from their own threads with terms on their own GPUs: ``list.append``
+        is atomic, and nothing is added across devices here."""
+        self._terms.append(z_loss.detach().float())
 
     def end_step(self) -> None:
-        """Close an optimizer step: its micro-batches' terms add up to the step's z-loss."""
-        if self._micro_sum is None:
+        """Close an optimizer step: its micro-batches' terms add up to the step's z-loss. Under
+        ``nn.DataParallel`` every GPU's replica saw a slice of each micro-batch and the Trainer
+        averages the replicas' losses, so the step's z-loss is the mean over GPUs of each GPU's
+        sum (with one device, just the sum)."""
+        if not self._terms:
             return
-        self._step_sum = self._micro_sum if self._step_sum is None else self._step_sum + self._micro_sum
-        self._micro_sum = None
+        terms, self._terms = self._terms, []
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        for term in terms:
+            per_device.setdefault(term.device, []).append(term)
+        home = terms[0].device
+        step = torch.stack([torch.stack(ts).sum().to(home) for ts in per_device.values()]).mean()
+        self._step_sum = step if self._step_sum is None else self._step_sum + step
         self._steps += 1
 
     def pop_mean(self) -> float | None:
