@@ -39,9 +39,10 @@ def _softcap(x, cap):
     u2 = u * u
     series = u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (
         -0.05396825396825397 + u2 * (0.021869488536155203 - u2 * 0.008863235529902197))))
-    t = tl.where(a < 0.25, a + a * series, (1.0 - e) / (1.0 + e))
+    r = 1.0 / (1.0 + e)  # one division for both results
+    t = tl.where(a < 0.25, a + a * series, (1.0 - e) * r)
     t = tl.where(u < 0.0, -t, t)
-    return cap * t, 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return cap * t, 4.0 * e * r * r
 
 
 @functools.lru_cache(maxsize=2)
