@@ -347,7 +347,8 @@ def fused_linear_cross_entropy(
 
     keep = flat_labels != ignore_index
     divisor = _divisor(reduction, keep, num_items_in_batch)
-    validation.check_values(flat_labels, weight.shape[0], ignore_index, divisor)
+    user_divisor = divisor if isinstance(num_items_in_batch, torch.Tensor) else None  # others checked already
+    validation.check_values(flat_labels, weight.shape[0], ignore_index, user_divisor)
     row_weight = keep.float() / divisor if reduction == "mean" else keep.float()
 
     wants_grad = torch.is_grad_enabled() and any(

@@ -45,7 +45,8 @@ def ce_rows_torch(
     x = logits.float()
     if opts.logit_scale is not None:
         x = x * opts.scale
-    z = x if opts.softcap is None else opts.softcap * torch.tanh(x / opts.softcap)
+    u = None if opts.softcap is None else x / opts.softcap
+    z = x if u is None else opts.softcap * torch.tanh(u)
     if lse_in is None:
         lse = torch.logsumexp(z, dim=-1)
         ce = lse - z.gather(-1, safe_labels).squeeze(-1)
@@ -64,9 +65,9 @@ def ce_rows_torch(
         g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
         if opts.label_smoothing:
             g -= (coef_ce * (opts.label_smoothing / vocab_total)).unsqueeze(-1)
-        if opts.softcap is not None:
+        if u is not None:
             # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
-            e = torch.exp(-2.0 * (x / opts.softcap).abs())
+            e = torch.exp(-2.0 * u.abs())
             g *= 4.0 * e / (1.0 + e).square()
         if opts.logit_scale is not None:
             g *= opts.scale

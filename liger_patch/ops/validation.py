@@ -151,15 +151,16 @@ def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def check_values(
-    labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | float
+    labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | None = None
 ) -> None:
     """Raise for a label outside [0, V) that is not ``ignore_index`` (IndexError), or for a
     ``num_items_in_batch`` tensor that is negative or not finite (ValueError; ``divisor`` is it
-    as ``_divisor`` made it). Both are checked on the device and read back in one host sync."""
+    as ``_divisor`` made it, ``None`` when none was given as a tensor). Both are checked on the
+    device and read back in one host sync."""
     bad_labels = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     bad = bad_labels.any()
     bad_divisor = None
-    if isinstance(divisor, torch.Tensor):
+    if divisor is not None:
         bad_divisor = ~(torch.isfinite(divisor) & (divisor >= 0))
         bad = bad | bad_divisor
     if not bool(bad):

@@ -246,6 +246,12 @@ def _replicate_patched_instance(self: nn.Module) -> nn.Module:
     return replica
 
 
+def _drop_helpers(obj: Any) -> None:
+    """Remove the instance methods a patch added beside the forward (``_HELPER_ATTRS``)."""
+    for name in _HELPER_ATTRS:
+        vars(obj).pop(name, None)
+
+
 def _is_stale(obj: Any) -> bool:
     """True for an instance whose PatchState outlived its forward, so applying must install again.
 
@@ -265,8 +271,7 @@ def _forget_stale_patch(obj: Any) -> None:
         return
     delattr(obj, STATE_ATTR)
     vars(obj).pop("forward", None)
-    for name in _HELPER_ATTRS:
-        vars(obj).pop(name, None)
+    _drop_helpers(obj)
 
 
 def _install(obj: Any, spec: ModelSpec, options: dict[str, Any]) -> None:
@@ -379,8 +384,7 @@ def _uninstall(obj: Any) -> None:
         return
     delattr(obj, STATE_ATTR)
     if not isinstance(obj, type):
-        for name in _HELPER_ATTRS:
-            vars(obj).pop(name, None)
+        _drop_helpers(obj)
     if is_liger_forward(vars(obj).get("forward")):
         if state.had_own_forward:
             obj.forward = state.previous_forward
