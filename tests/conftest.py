@@ -20,7 +20,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def _register_hypothesis_profiles() -> None:
-    """Hypothesis profiles for the property-based tests (tests/test_op_fuzz.py), chosen by the
+    """Hypothesis profiles for the property-based tests (tests/ops/test_fuzz.py), chosen by the
     HYPOTHESIS_PROFILE environment variable (default "ci"):
 
     - "ci": derandomized (the same examples on every run), no example database, bounded so

@@ -1,4 +1,4 @@
-"""Inputs, calls and comparisons shared by the op tests (tests/test_op_*.py).
+"""Inputs, calls and comparisons shared by the op tests (tests/ops/).
 
 Every case is built from a seeded torch.Generator (never zeros), in fp32, then rounded to the
 dtype under test; the fp64 reference sees exactly the rounded values.

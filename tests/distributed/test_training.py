@@ -1,6 +1,6 @@
 """DDP and FSDP2 on 2 ranks: patched training equals unpatched and single-process training.
 
-One launch (2 processes, gloo on CPU, nccl with 2 GPUs; see tests/distributed_workers.py) runs
+One launch (2 processes, gloo on CPU, nccl with 2 GPUs; see tests/distributed/workers.py) runs
 every scenario; the tests below check its results. Each scenario trains a tiny fp32 Llama
 for 3 SGD steps with ``num_items_in_batch`` counted across ranks (the Trainer's
 ``average_tokens_across_devices``), so the distributed run must also equal one process trained
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_launch import run_workers
-from tests.distributed_workers import SCENARIOS
+from tests.distributed.launch import run_workers
+from tests.distributed.workers import SCENARIOS
 from tests.patching_helpers import tolerances
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -27,7 +27,7 @@ TRAINER_SCENARIOS = ["trainer_ddp", "trainer_fsdp2"] if TWO_GPUS else ["trainer_
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("distributed")
     names = [*SCENARIOS, *TRAINER_SCENARIOS, "tensor_parallel_head"]
-    run_workers("tests.distributed_workers", ["--out", str(out), *names], out, timeout=300)
+    run_workers("tests.distributed.workers", ["--out", str(out), *names], out, timeout=300)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
 

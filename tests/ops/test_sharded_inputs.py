@@ -1,6 +1,6 @@
 """Sharded parameters handed straight to the op get a clear error, not a shape error deep in a
 GEMM: a DTensor (FSDP2 shard or tensor-parallel weight) and an ungathered DeepSpeed ZeRO-3
-partition. (The patched model gathers them; tests/test_distributed_*.py cover that.)"""
+partition. (The patched model gathers them; tests/distributed/ covers that.)"""
 
 import pytest
 import torch

@@ -3,7 +3,7 @@
 DeepSpeed is not installed in CI (nor needed): a ZeRO-3 partitioned parameter is imitated by the
 attributes liger_patch reads (``ds_id``, ``ds_status``) and an empty ``data`` tensor, and
 DeepSpeed's gathering module hook by a forward pre-hook on the head. FSDP2 and tensor
-parallelism need a process group and are covered in test_distributed_training.py.
+parallelism need a process group and are covered in tests/distributed/test_training.py.
 """
 
 from __future__ import annotations

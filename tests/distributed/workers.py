@@ -1,8 +1,8 @@
 """Worker processes for the distributed tests: DDP and FSDP2 training, patched against unpatched.
 
-Run by :func:`tests.distributed_launch.run_workers`, one process per rank, as
+Run by :func:`tests.distributed.launch.run_workers`, one process per rank, as
 
-    python -m tests.distributed_workers --out DIR SCENARIO [SCENARIO ...]
+    python -m tests.distributed.workers --out DIR SCENARIO [SCENARIO ...]
 
 with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment. Each scenario trains a
 tiny Llama (vocab 128, hidden 32, 2 layers, fp32) for a few SGD steps, wrapped the way the

@@ -28,9 +28,9 @@ expanded bias) get the error scale of the terms they are summed from.
 
 Run (the default profile "ci" is derandomized and bounded; profiles live in tests/conftest.py):
 
-    .venv/bin/pytest tests/test_op_fuzz.py                            # ci: fixed examples
-    HYPOTHESIS_PROFILE=dev .venv/bin/pytest tests/test_op_fuzz.py     # random, 3x the examples
-    HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/test_op_fuzz.py    # random, 15x (thousands)
+    .venv/bin/pytest tests/ops/test_fuzz.py                            # ci: fixed examples
+    HYPOTHESIS_PROFILE=dev .venv/bin/pytest tests/ops/test_fuzz.py     # random, 3x the examples
+    HYPOTHESIS_PROFILE=long .venv/bin/pytest tests/ops/test_fuzz.py    # random, 15x (thousands)
 
 Add ``--hypothesis-show-statistics`` to see which paths ran (chunk counts, two-pass, fused GEMM)
 and ``--hypothesis-seed=N`` to replay a random run.

@@ -15,7 +15,7 @@ from liger_patch.__main__ import main as cli_main
 from liger_patch.demo import main as demo_main
 from liger_patch.demo import measure_peak
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--steps", "3", "--vocab", "512", "--seq", "32", "--batch", "2"]
 
 
