@@ -21,7 +21,8 @@ import torch
 from liger_patch import env
 from liger_patch.ops import validation
 from liger_patch.ops.chunked import RowKernel, run_chunks
-from liger_patch.ops.options import LossOptions, parse_memory_budget
+from liger_patch.ops.budget import parse_memory_budget
+from liger_patch.ops.options import LossOptions
 from liger_patch.ops.torch_ce import ce_rows_torch
 
 DEFAULT_MEMORY_BUDGET: int | str = "default"
@@ -445,3 +446,12 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+def fused_loss(hidden, weight, labels, bias=None, *, options: LossOptions, num_items_in_batch=None, **overrides):
+    """Temporary shim (being rewritten): the op with a built ``LossOptions``."""
+    import dataclasses
+
+    opts = options.replace(**overrides)
+    kwargs = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name != "tuning"}
+    return fused_linear_cross_entropy(hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **kwargs)

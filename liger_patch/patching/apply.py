@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from liger_patch.ops.options import LossOptions, parse_memory_budget
+from liger_patch.ops.budget import parse_memory_budget
+from liger_patch.ops.options import LossOptions
 from liger_patch.ops.validation import check_options, option_float
 from liger_patch.patching.forward import (
     STATE_ATTR,

@@ -1,0 +1,191 @@
+"""Memory budget -> chunk plan: pure arithmetic, no tensors, tested directly.
+
+The fused loss holds at most one ``rows x V`` logits chunk at a time (or, on the two-pass path,
+one ``tokens x cols`` vocabulary block). How many rows a chunk gets follows from the working
+memory budget; this module turns a budget into that plan, and ``chunked.run_chunks`` executes it.
+
+The budget a call uses (``resolve_budget``) is its ``memory_budget`` option, else the
+``LIGER_MEMORY_BUDGET`` environment variable (read on every call), else ``"default"``. It covers
+everything the op allocates beyond its inputs, outputs and gradients: the chunk buffers, about
+``PER_TOKEN_BYTES`` per token of per-token vectors and ``SLACK_BYTES``; ``working_bytes`` is what
+is left for the chunk buffers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from liger_patch import env
+from liger_patch.ops.tuning import Tuning
+
+MiB = 1 << 20
+MEMORY_BUDGETS = {"default": 512 * MiB, "lean": 32 * MiB}
+"""Named memory budgets: bytes of working memory the op may use beyond its inputs, outputs and
+gradients. ``default`` gives token chunks large enough for cuBLAS to run near its peak; ``lean``
+is cut-cross-entropy's memory class (docs/loss.md has the measured speed of each)."""
+DEFAULT_MEMORY_BUDGET = "default"
+"""The budget of a call that passes none while ``LIGER_MEMORY_BUDGET`` is unset: 512 MiB."""
+
+PER_TOKEN_BYTES = 32
+"""Per-token vectors the op keeps beside its chunks (labels, masks, row weights, loss terms)."""
+SLACK_BYTES = 2 << 20
+"""Allocator rounding and cuBLAS workspace seen beside the chunks on an H200 (about 1 MiB)."""
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MiB, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+
+
+def parse_memory_budget(value: int | str) -> int:
+    """Bytes for a memory budget given as a positive int (bytes), a name in ``MEMORY_BUDGETS``,
+    or a size string such as ``"256MiB"``, ``"1GiB"``, ``"64MB"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"memory_budget must be an int number of bytes or a string, got {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    elif value.strip().lower() in MEMORY_BUDGETS:
+        return MEMORY_BUDGETS[value.strip().lower()]
+    else:
+        match = _SIZE.match(value.lower())
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(
+                f"memory_budget {value!r} is not one of {sorted(MEMORY_BUDGETS)} or a size such as '256MiB'"
+            )
+        nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if nbytes <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}")
+    return nbytes
+
+
+def resolve_budget(memory_budget: int | str | None) -> int:
+    """Bytes of a call's budget: its option, else ``LIGER_MEMORY_BUDGET`` (read now), else the default."""
+    if memory_budget is not None:
+        return parse_memory_budget(memory_budget)
+    from_env = env.memory_budget()
+    if from_env is None:
+        return parse_memory_budget(DEFAULT_MEMORY_BUDGET)
+    try:
+        return parse_memory_budget(from_env)
+    except ValueError as exc:
+        raise ValueError(f"environment variable LIGER_MEMORY_BUDGET={from_env!r}: {exc}") from None
+
+
+def working_bytes(memory_budget: int | str | None, n_tokens: int) -> int:
+    """What the chunk buffers may use: the resolved budget less the per-token vectors and the
+    slack, so that everything the op allocates stays inside it (at least one byte: one row)."""
+    return max(1, resolve_budget(memory_budget) - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
+
+
+def chunk_rows(width: int, budget_bytes: int, element_bytes: int, tuning: Tuning) -> int:
+    """Rows of ``width`` elements that fit ``budget_bytes`` (at least one), or ``tuning.chunk_rows``.
+
+    Rounded down to a multiple of 256 from 512 rows up (of 128 from 256): cuBLAS tiles the chunk
+    GEMMs 256 rows at a time, and a part-filled tile row costs a whole one. Measured on an H200
+    at N=32768, H=4096, V=151936 (docs/perf-notes.md): 1664 rows 202 ms, 1536 rows 192 ms.
+    """
+    if tuning.chunk_rows is not None:
+        return tuning.chunk_rows
+    rows = max(1, budget_bytes // (element_bytes * max(width, 1)))
+    if rows >= 512:
+        return rows - rows % 256
+    return rows - rows % 128 if rows >= 256 else rows
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What the planner needs to know of a call: sizes, byte widths and which gradients it computes."""
+
+    n_rows: int
+    vocab: int
+    weight_numel: int
+    weight_bytes: int  # bytes per weight element (also grad_W's)
+    logit_bytes: int  # bytes per stored logit
+    gemm_fp32: bool  # the GEMMs run in fp32 (the CPU)
+    partial_bytes_per_row: int = 0  # log-sum-exp partials the fused logits GEMM leaves per row
+    grad_weight: bool = False  # grad_W is computed here
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How ``run_chunks`` walks the tokens.
+
+    ``rows`` per token chunk. ``two_pass``: token chunks compute the loss and grad_h only, and
+    pass B walks ``vocab_blocks`` ``(v0, v1, in_grad_weight)`` for grad_W. ``logits_in_grad_weight``:
+    pass A keeps its logits chunks in grad_W's bytes (free until pass B), which allows larger
+    chunks. ``grad_weight_fp32``: the token-chunk sum of grad_W is kept in fp32 (else in the
+    weight's dtype, whose first chunk overwrites instead of adding: ``overwrite_first``).
+    """
+
+    rows: int
+    two_pass: bool = False
+    logits_in_grad_weight: bool = False
+    grad_weight_fp32: bool = True
+    overwrite_first: bool = False
+    vocab_blocks: tuple[tuple[int, int, bool], ...] = ()
+
+
+_ALIGN = 16  # bytes: chunk buffers laid over grad_W start at a 16-byte boundary
+
+
+def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:
+    """Token rows per chunk within ``budget``, where the fused GEMM's partials share it with the chunk."""
+    part = shape.partial_bytes_per_row
+    chunk_budget = budget - budget * part // (shape.vocab * shape.logit_bytes + part)
+    return chunk_rows(shape.vocab, chunk_budget, shape.logit_bytes, tuning)
+
+
+def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPlan:
+    """The chunk plan of a call that may use ``budget_bytes`` of working memory."""
+    rows = _rows_within(shape, budget_bytes, tuning)
+    two_pass = tuning.two_pass
+    if two_pass is None:
+        two_pass = rows < tuning.min_token_chunk_rows < shape.n_rows
+    if not shape.grad_weight:
+        return ChunkPlan(rows=rows)
+    if two_pass:
+        # Pass A may keep its chunks in grad_W's bytes; the partials still come out of the budget.
+        scratch_rows = min(shape.n_rows, shape.weight_numel * shape.weight_bytes // (shape.vocab * shape.logit_bytes))
+        if shape.partial_bytes_per_row:
+            scratch_rows = min(scratch_rows, max(1, budget_bytes // shape.partial_bytes_per_row))
+        in_grad_weight = scratch_rows > rows
+        return ChunkPlan(
+            rows=scratch_rows if in_grad_weight else rows,
+            two_pass=True,
+            logits_in_grad_weight=in_grad_weight,
+            grad_weight_fp32=False,
+            vocab_blocks=vocab_blocks(shape, budget_bytes, tuning),
+        )
+    # An fp32 accumulator is used when it fits in the budget next to chunks of at least
+    # min_token_chunk_rows rows (or all rows); the chunks then share what it leaves.
+    rest = budget_bytes - 4 * shape.weight_numel
+    rest_rows = _rows_within(shape, rest, tuning) if rest > 0 else 0
+    fp32 = tuning.fp32_grad_weight
+    if fp32 is None:
+        fp32 = shape.gemm_fp32 or rest_rows >= min(shape.n_rows, tuning.min_token_chunk_rows)
+    if fp32 and not shape.gemm_fp32:
+        rows = max(1, rest_rows)
+    return ChunkPlan(rows=rows, grad_weight_fp32=fp32, overwrite_first=not fp32 and shape.n_rows > 0)
+
+
+def vocab_blocks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> tuple[tuple[int, int, bool], ...]:
+    """Pass B's vocabulary blocks ``(v0, v1, in_grad_weight)``.
+
+    A block's ``tokens x cols`` logits live in the rows of grad_W that are still unwritten (those
+    after the block) while they are large enough, which makes the early blocks wide; the last
+    ones use a buffer of ``budget_bytes``.
+    """
+    n_rows, vocab = shape.n_rows, shape.vocab
+    row_bytes = shape.weight_numel // max(vocab, 1) * shape.weight_bytes
+    budget_cols = chunk_rows(n_rows, budget_bytes, shape.logit_bytes, tuning)
+    blocks = []
+    v0 = 0
+    while v0 < vocab:
+        # cols * tokens * logit_bytes + alignment <= (vocab - v0 - cols) * row_bytes
+        cols = max(0, (vocab - v0) * row_bytes - _ALIGN) // (n_rows * shape.logit_bytes + row_bytes)
+        cols -= cols % 128 if cols >= 256 else 0
+        if cols > budget_cols:
+            blocks.append((v0, v0 + cols, True))
+        else:
+            blocks.append((v0, min(v0 + budget_cols, vocab), False))
+        v0 = blocks[-1][1]
+    return tuple(blocks)

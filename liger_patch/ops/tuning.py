@@ -1,0 +1,72 @@
+"""``Tuning``: the measured knobs of the fused loss, in one object that callers pass in.
+
+Every default here was measured on an H200 (the item numbers are those of docs/perf-notes.md).
+Nothing reads a module-level switch: tests and benchmarks that want another setting pass
+``tuning=Tuning(...)`` to the op (or to ``apply_liger_to``) instead of patching a module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the fused loss runs; never what it computes (every setting gives the same result to
+    rounding).
+
+    Attributes:
+        fused_logits: compute token chunks' logits with the Triton GEMM that also leaves the
+            log-sum-exp partials, where the hardware and the chunk allow it. Items 19-20: the
+            whole op gained 0.4-0.9 ms at the four benchmark shapes (interleaved A/B,
+            ``docs/results/chunk_sweep.json``, ``fused_ab``).
+        reverse_pass2: the Triton row kernel's second pass walks each row backwards, so the
+            blocks its first pass read last are still in L2 (``benchmarks/chunk_sweep.py``).
+        row_block: the Triton row kernel's largest block of columns per step; a row narrower
+            than this uses the next power of two (at least 128).
+        row_warps: ``(block at least, warps)`` pairs, first match wins: the warps per row for
+            a given block. Measured at V=128256: 8192 x 16 warps was the best of five.
+        logits_tiles: the fused logits GEMM's ``(BM, BN, BK, stages, warps)``; item 19: the
+            best of those tried on an H100 and an H200.
+        min_token_chunk_rows: below this many rows per token chunk the two-pass path computes
+            grad_W instead: a grad_W GEMM over 512-row chunks already costs ~30 % more than one
+            over all tokens, and each halving of the chunk adds a full extra pass over grad_W.
+        chunk_rows: when set, every chunk the budget would size gets exactly this many rows
+            (token chunks) or columns (pass B's vocabulary blocks). For tests and sweeps.
+        two_pass: force the two-pass path on (``True``) or off (``False``); ``None`` applies
+            ``min_token_chunk_rows``.
+        fp32_grad_weight: accumulate grad_W across token chunks in fp32 (``True``) or in the
+            weight's dtype (``False``); ``None`` keeps fp32 when a copy fits in the budget (item
+            3: the weight-dtype sum saved 3.7 ms and 1.5 GiB at N=8192, V=128256).
+    """
+
+    fused_logits: bool = True
+    reverse_pass2: bool = True
+    row_block: int = 8192
+    row_warps: tuple[tuple[int, int], ...] = ((8192, 16), (2048, 8), (0, 4))
+    logits_tiles: tuple[int, int, int, int, int] = (128, 256, 64, 3, 8)
+    min_token_chunk_rows: int = 512
+    chunk_rows: int | None = None
+    two_pass: bool | None = None
+    fp32_grad_weight: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("row_block", "min_token_chunk_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Tuning.{name} must be an int >= 0, got {value!r}")
+        if self.chunk_rows is not None and (
+            isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1
+        ):
+            raise ValueError(f"Tuning.chunk_rows must be None or an int >= 1, got {self.chunk_rows!r}")
+        if not self.row_warps or any(len(pair) != 2 for pair in self.row_warps):
+            raise ValueError(f"Tuning.row_warps must be (block at least, warps) pairs, got {self.row_warps!r}")
+        if len(self.logits_tiles) != 5:
+            raise ValueError(f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}")
+
+    def warps_for(self, block: int) -> int:
+        """Warps for a row-kernel block of ``block`` columns (``row_warps``, first match)."""
+        return next((warps for at_least, warps in self.row_warps if block >= at_least), self.row_warps[-1][1])
+
+
+DEFAULT_TUNING = Tuning()
