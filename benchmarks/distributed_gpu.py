@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import json
 import os
 import platform
 import statistics
@@ -46,7 +45,7 @@ from torch.distributed.tensor import DTensor
 import liger_patch as lp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_shapes import LLAMA_3_2_1B  # noqa: E402
+from common import LLAMA_3_2_1B, PeakMemory, write_json  # noqa: E402
 
 LOSS_TOL = 2e-2  # bf16 patched vs unpatched, absolute, per step (losses are ~8.3)
 GRAD_TOL = 5e-2  # step-0 gradient, relative L2 error of the worst parameter
@@ -206,22 +205,19 @@ def memory_run(shape: dict, patched: bool, checkpointing: bool, device: torch.de
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shard_fsdp2(model, head_unit=False, mp=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
     times, losses = [], []
-    for step in range(args.mem_steps):
-        batch = batch_for(step, dist.get_rank(), shape["vocab_size"], args.batch, args.seq, device)
-        start = time.perf_counter()
-        out = model(**batch)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(out.loss.detach().float().item())
+    with PeakMemory() if device.type == "cuda" else contextlib.nullcontext() as mem:
+        for step in range(args.mem_steps):
+            batch = batch_for(step, dist.get_rank(), shape["vocab_size"], args.batch, args.seq, device)
+            start = time.perf_counter()
+            out = model(**batch)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(out.loss.detach().float().item())
     result = {
         "patched": patched,
         "activation_checkpointing": checkpointing,
@@ -231,9 +227,9 @@ def memory_run(shape: dict, patched: bool, checkpointing: bool, device: torch.de
     }
     if device.type == "cuda":
         result.update(
-            allocated_before_steps_gib=before / 2**30,
-            peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-            peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            allocated_before_steps_gib=mem.start / 2**30,
+            peak_allocated_gib=mem.peak / 2**30,
+            peak_reserved_gib=mem.peak_reserved / 2**30,
         )
         peaks = torch.tensor([result["peak_allocated_gib"]], device=device)
         gathered = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
@@ -334,8 +330,7 @@ def main() -> int:
             "parity_passed": parity_ok,
             "memory_fsdp2_llama_3_2_1b_shape": memory_rows,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2))
+        write_json(args.out, results, indent=2)
     print_tables(parity_report, memory_rows)
     log(f"\nwrote {args.out}; parity {'passed' if parity_ok else 'FAILED'}")
     dist.barrier()

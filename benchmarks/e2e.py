@@ -7,7 +7,11 @@ importable, ``liger_patch`` (ours) and ``liger_patch_lean`` (ours, ``memory_budg
 Reported: median step time over the timed steps, peak
 memory allocated in the steady state, and the first step's loss (same seed and init for all).
 
-    python benchmarks/e2e.py --out e2e.json
+    python benchmarks/e2e.py --out docs/results/e2e.json
+    python benchmarks/e2e.py --variants unpatched,liger_kernel,liger_patch,liger_kernel,liger_patch --steps 8
+
+A variant named twice runs twice (interleaved A/B). Model shapes and the memory measure come from
+``benchmarks/common.py``.
 """
 
 from __future__ import annotations
@@ -19,17 +23,17 @@ import statistics
 import subprocess
 import sys
 
+from common import LLAMA_3_2_1B, QWEN2_5_05B, GiB, PeakMemory, environment, write_json
+
 ROWS = {
     "llama1b_8x2048": ("llama", 8, 2048),
     "llama1b_16x2048": ("llama", 16, 2048),
     "qwen05b_16x2048": ("qwen2", 16, 2048),
 }
 VARIANTS = ("unpatched", "liger_kernel", "liger_patch", "liger_patch_lean")
-GiB = 1024**3
 
 
 def make_config(family: str):
-    from model_shapes import LLAMA_3_2_1B, QWEN2_5_05B
     from transformers import LlamaConfig, Qwen2Config
 
     return LlamaConfig(**LLAMA_3_2_1B) if family == "llama" else Qwen2Config(**QWEN2_5_05B)
@@ -76,22 +80,21 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
     first_loss = float(step())
     for _ in range(warmup - 1):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    with PeakMemory() as mem:  # the steady state's peak
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
     return {
         "row": row,
         "variant": variant,
         "ms": statistics.median(times),
         "ms_all": times,
-        "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        "peak_gib": mem.peak / GiB,
         "first_loss": first_loss,
     }
 
@@ -143,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         base = next(
             (r for r in results if r["row"] == row and r["variant"] == "unpatched" and "ms" in r), None
         )
-        for variant in args.variants.split(","):
-            r = next(r for r in results if r["row"] == row and r["variant"] == variant)
+        for r in (r for r in results if r["row"] == row):  # in run order: a repeated variant, each run
             if "ms" not in r:
                 cells.append("error")
                 continue
@@ -154,12 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        import torch
-
-        with open(args.out, "w") as f:
-            json.dump(
-                {"device": torch.cuda.get_device_name(), "results": results, "table": table}, f, indent=1
-            )
+        write_json(args.out, {**environment(), "results": results, "table": table})
     return 0
 
 

@@ -6,42 +6,32 @@ timed through cuBLAS in the same run. Every implementation is timed with
 (beyond the inputs and their gradients) is read from the CUDA allocator.
 
     python benchmarks/flce.py                        # the issue-2 shape, ours vs torch eager
-    python benchmarks/flce.py --impls all --shapes all --out docs/flce.json
+    python benchmarks/flce.py --impls all --shapes all --out docs/results/flce.json
+    python benchmarks/flce.py --shapes all --impls ours --rep-ms 400   # quick A/B of ours
 
-Peers (liger-kernel, cut-cross-entropy) are used when importable.
+Shapes, inputs, timing and the memory measure come from ``benchmarks/common.py``. Peers
+(liger-kernel, cut-cross-entropy) are used when importable.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import math
-import platform
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-SHAPES = {
-    "8192x4096x128256": (8192, 4096, 128256),
-    "16384x4096x128256": (16384, 4096, 128256),
-    "8192x2304x256000": (8192, 2304, 256000),
-    "32768x4096x151936": (32768, 4096, 151936),
-}
-MiB = 1024 * 1024
-
-
-def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, ignore_frac: float, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, h, device="cuda", dtype=dtype, generator=gen)
-    weight = (torch.randn(v, h, device="cuda", dtype=dtype, generator=gen) / math.sqrt(h)).to(dtype)
-    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    if ignore_frac:
-        drop = torch.rand(n, device="cuda", generator=gen) < ignore_frac
-        labels[drop] = -100
-    return hidden.requires_grad_(), weight.requires_grad_(), labels
+from common import (
+    SHAPES,
+    bench,
+    environment,
+    extra_memory_mib,
+    fwd_bwd,
+    make_inputs,
+    need_cuda,
+    time_floor,
+    write_json,
+)
 
 
 def torch_eager(hidden, weight, labels):
@@ -57,13 +47,10 @@ def ours(hidden, weight, labels):
 def ours_cublas_logits(hidden, weight, labels):
     """Ours with the logits GEMM left to cuBLAS and the row kernel's two passes (the default
     before docs/perf-notes.md item 19), for the side-by-side comparison."""
-    from liger_patch.ops import triton_logits
+    from liger_patch import fused_linear_cross_entropy
+    from liger_patch.ops.tuning import Tuning
 
-    triton_logits.ENABLED = False
-    try:
-        return ours(hidden, weight, labels)
-    finally:
-        triton_logits.ENABLED = True
+    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(fused_logits=False))
 
 
 def ours_fp32_logits(hidden, weight, labels):
@@ -114,48 +101,6 @@ IMPLS: dict[str, Callable] = {
 }
 
 
-def floor_fn(hidden, weight, grad_logits):
-    """The three GEMMs an exact method cannot avoid."""
-    logits = hidden @ weight.t()
-    grad_h = grad_logits @ weight
-    grad_w = grad_logits.t() @ hidden
-    return logits, grad_h, grad_w
-
-
-def time_floor(hidden, weight, rep_ms: int) -> float:
-    """Median ms of the three GEMMs on random gradient logits (freed afterwards)."""
-    import triton.testing
-
-    grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device="cuda", dtype=hidden.dtype) * 1e-4
-    ms = triton.testing.do_bench(
-        functools.partial(floor_fn, hidden, weight, grad_logits), rep=rep_ms, return_mode="median"
-    )
-    torch.cuda.empty_cache()
-    return ms
-
-
-def fwd_bwd(fn, hidden, weight, labels):
-    hidden.grad = weight.grad = None
-    loss = fn(hidden, weight, labels)
-    loss.backward()
-    return loss
-
-
-def measure_memory(fn, hidden, weight, labels) -> float:
-    """Peak bytes allocated during fwd+bwd beyond the inputs and their gradients, in MiB."""
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd(fn, hidden, weight, labels)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    hidden.grad = weight.grad = None
-    return (peak - base - grads) / MiB
-
-
 def check_against_fp64(fn, n: int, h: int, v: int) -> float:
     """Relative error of loss and grads against fp64, on a slice small enough for an fp64 reference."""
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.3, seed=1)
@@ -174,8 +119,6 @@ def check_against_fp64(fn, n: int, h: int, v: int) -> float:
 
 
 def bench_shape(name: str, impl_names: list[str], ignore_frac: float, rep_ms: int) -> dict:
-    import triton.testing
-
     n, h, v = SHAPES[name]
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac)
     row: dict = {"shape": name, "N": n, "H": h, "V": v, "dtype": "bfloat16", "ignore_frac": ignore_frac}
@@ -189,10 +132,8 @@ def bench_shape(name: str, impl_names: list[str], ignore_frac: float, rep_ms: in
         fn = IMPLS[impl]
         try:
             fwd_bwd(fn, hidden, weight, labels)  # warm-up / compile
-            ms = triton.testing.do_bench(
-                lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep=rep_ms, return_mode="median"
-            )
-            mem = measure_memory(fn, hidden, weight, labels)
+            ms = bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep_ms)
+            mem = extra_memory_mib(fn, hidden, weight, labels)
             err = check_against_fp64(fn, 1024, 512, 8191)
             row["impls"][impl] = {"ms": ms, "x_floor": ms / floor_ms, "extra_mib": mem, "max_rel_err": err}
         except (ImportError, torch.cuda.OutOfMemoryError, RuntimeError) as exc:
@@ -229,19 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
     parser.add_argument("--out", default=None, help="write JSON here (a .md table is written beside it)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/flce.py needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("benchmarks/flce.py"):
         return 2
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
 
-    import triton
-
     result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **environment(),
         "method": "fwd+bwd, triton.testing.do_bench median; floor = 3 cuBLAS GEMMs; "
         "extra = peak allocated minus inputs and their grads",
         "rows": [],
@@ -251,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         table = markdown(result["rows"])
         print(table, flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.out, result)
             with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
                 f.write(
                     f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n"

@@ -10,11 +10,10 @@ import time
 import torch
 
 from liger_patch import env
-from liger_patch.ops.fused_linear_ce import (
-    fused_linear_cross_entropy,
-    resolve_backend,
-    resolve_memory_budget,
-)
+from liger_patch.ops.backends import pick
+from liger_patch.ops.budget import resolve_budget
+from liger_patch.ops.fused_linear_ce import fused_linear_cross_entropy
+from liger_patch.ops.reference import reference_flce
 
 
 def _version(module: str) -> str:
@@ -32,16 +31,6 @@ def _why_backend(device: torch.device, chosen: str) -> str:
     return "triton is not installed"
 
 
-def _dense_reference(hidden, weight, labels, bias, softcap, z_loss_scale, smoothing):
-    logits = hidden.double() @ weight.double().T + bias.double()
-    logits = softcap * torch.tanh(logits / softcap)
-    lse = torch.logsumexp(logits, -1)
-    keep = labels != -100
-    target = logits.gather(-1, torch.where(keep, labels, 0)[:, None])[:, 0]
-    ce = (1 - smoothing) * (lse - target) + smoothing * (lse - logits.mean(-1))
-    return torch.where(keep, ce + z_loss_scale * lse**2, 0.0).sum() / keep.sum()
-
-
 def self_check(device: torch.device, backend: str) -> tuple[float, float, float]:
     """Relative errors (loss, grad_hidden, grad_weight) of the op against fp64, on random data."""
     gen = torch.Generator().manual_seed(1234)
@@ -51,23 +40,14 @@ def self_check(device: torch.device, backend: str) -> tuple[float, float, float]
     bias = torch.randn(v, generator=gen)
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[::4] = -100
-    options = dict(softcap=20.0, z_loss_scale=1e-4, smoothing=0.1)
+    options = dict(softcap=20.0, z_loss_scale=1e-4, label_smoothing=0.1)
 
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref = _dense_reference(hr, wr, labels, bias, **options)
+    ref, _ = reference_flce(hr, wr, labels, bias, **options)  # the fp64 reference the tests use
     ref.backward()
 
     hd, wd = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
-    loss = fused_linear_cross_entropy(
-        hd,
-        wd,
-        labels.to(device),
-        bias.to(device),
-        softcap=options["softcap"],
-        z_loss_scale=options["z_loss_scale"],
-        label_smoothing=options["smoothing"],
-        backend=backend,
-    )
+    loss = fused_linear_cross_entropy(hd, wd, labels.to(device), bias.to(device), backend=backend, **options)
     loss.backward()
 
     def rel(a, b):
@@ -92,12 +72,12 @@ def run_doctor() -> int:
         f"LIGER_RETURN_LOGITS={'1' if env.return_logits() else 'unset'}"
     )
     try:  # what a call that passes no memory_budget gets
-        nbytes = resolve_memory_budget(None)
+        nbytes = resolve_budget(None)
     except ValueError as exc:
         print(f"memory budget INVALID: {exc}")
         return 1
     print(f"memory budget {nbytes / 2**20:g} MiB (LIGER_MEMORY_BUDGET={env.memory_budget() or 'unset'})")
-    chosen = resolve_backend("auto", device)
+    chosen = pick("auto", device).name
     print(f"backend=auto  -> {chosen} ({_why_backend(device, chosen)})")
 
     start = time.perf_counter()

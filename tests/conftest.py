@@ -89,21 +89,19 @@ def gen(request) -> torch.Generator:
 
 
 @pytest.fixture
-def chunk_rows(monkeypatch):
-    """chunk_rows(rows, V, two_pass=False): run the op in chunks of exactly `rows` token rows (and,
-    on the two-pass path, vocabulary blocks of `rows` columns), so that small inputs go through
-    several chunks and a remainder chunk. The memory budget becomes `rows` fp32 logit rows of
-    width V, so an fp32 grad_W rarely fits and the weight-dtype accumulation runs.
+def chunk_rows():
+    """chunk_rows(rows, V, two_pass=False) -> the op options (``tuning``, ``memory_budget``) that
+    run it in chunks of exactly `rows` token rows (and, on the two-pass path, vocabulary blocks of
+    `rows` columns where the budget sizes them), so that small inputs go through several chunks
+    and a remainder chunk. The memory budget is `rows` fp32 logit rows of width V, which leaves
+    nothing once the per-token vectors and slack are taken: an fp32 grad_W never fits.
     `two_pass=True` makes every input with more than `rows + 1` tokens take the two-pass path;
     otherwise it is never taken. chunk_rows(None, V) puts everything in one chunk."""
-    op = importlib.import_module("liger_patch.ops.fused_linear_ce")
-    chunked = importlib.import_module("liger_patch.ops.chunked")
-    assert isinstance(chunked.MIN_TOKEN_CHUNK_ROWS, int)
+    from liger_patch.ops.tuning import Tuning
 
-    def set_rows(rows, V, two_pass=False):
+    def options(rows, V, two_pass=False):
         forced = (1 << 40) if rows is None else rows
-        monkeypatch.setattr(op, "DEFAULT_MEMORY_BUDGET", (1 << 34) if rows is None else 4 * V * rows)
-        monkeypatch.setattr(chunked, "chunk_rows", lambda *args: forced)
-        monkeypatch.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", forced + 1 if two_pass else 0)
+        tuning = Tuning(chunk_rows=forced, min_token_chunk_rows=forced + 1 if two_pass else 0)
+        return {"tuning": tuning, "memory_budget": (1 << 34) if rows is None else 4 * V * rows}
 
-    return set_rows
+    return options

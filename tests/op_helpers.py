@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 import torch
-from reference import reference_flce
+from liger_patch.ops.reference import reference_flce
 
 import liger_patch as lp
 
@@ -165,7 +165,7 @@ def call_raw(hidden, weight, labels, bias=None, **opts):
 
 def reference_for(case: Case, **opts):
     """fp64 reference on CPU. Returns (loss, z_loss, leaves) where leaves mirror requires_grad."""
-    for how_not_what in ("return_z_loss", "backend", "logits_dtype", "memory_budget"):
+    for how_not_what in ("return_z_loss", "backend", "logits_dtype", "memory_budget", "tuning"):
         opts.pop(how_not_what, None)  # options of the computation, not of the math
     opts.setdefault("ignore_index", case.ignore_index)
     leaves = {

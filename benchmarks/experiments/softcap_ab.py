@@ -9,23 +9,21 @@ bf16 inputs, 20 % of labels ignored, logits with a std of about 3 (docs/perf-not
 """
 
 import json
-import math
+import sys
+from pathlib import Path
 
-import torch
-import triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from common import bench, make_inputs, need_cuda  # noqa: E402
 
-import liger_patch as lp
+import liger_patch as lp  # noqa: E402
 
 N, H, V = 8192, 2304, 256000
 
 
-def main() -> None:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    weight = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=gen) * (3 / math.sqrt(H))
-    weight.requires_grad_()
-    labels = torch.randint(0, V, (N,), device="cuda", generator=gen)
-    labels[torch.rand(N, device="cuda", generator=gen) < 0.2] = -100
+def main() -> int:
+    if not need_cuda("benchmarks/experiments/softcap_ab.py"):
+        return 2
+    hidden, weight, labels = make_inputs(N, H, V, ignore_frac=0.2, logit_std=3.0)
     out = {"liger_patch": lp.__file__}
     for softcap in (None, 30.0):
 
@@ -33,9 +31,10 @@ def main() -> None:
             hidden.grad = weight.grad = None
             lp.fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap).backward()
 
-        out[f"softcap={softcap}"] = triton.testing.do_bench(step, rep=1500, return_mode="median")
+        out[f"softcap={softcap}"] = bench(step, 1500)
     print(json.dumps(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -144,7 +144,9 @@ def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPl
         return ChunkPlan(rows=rows)
     if two_pass:
         # Pass A may keep its chunks in grad_W's bytes; the partials still come out of the budget.
-        scratch_rows = min(shape.n_rows, shape.weight_numel * shape.weight_bytes // (shape.vocab * shape.logit_bytes))
+        scratch_rows = min(
+            shape.n_rows, shape.weight_numel * shape.weight_bytes // (shape.vocab * shape.logit_bytes)
+        )
         if shape.partial_bytes_per_row:
             scratch_rows = min(scratch_rows, max(1, budget_bytes // shape.partial_bytes_per_row))
         in_grad_weight = scratch_rows > rows

@@ -1,4 +1,4 @@
-"""The chunk loops shared by every backend: GEMMs around one row kernel per chunk.
+"""Executes a chunk plan (``budget.plan_chunks``) with a backend: GEMMs around one row kernel per chunk.
 
 Token chunks (the default). For each chunk of rows: ``logits = h W^T + b`` (the only
 ``rows x V`` buffer), the backend's row kernel turns it into loss terms and, in place, into
@@ -6,7 +6,7 @@ d(loss)/d(logits); then ``grad_h = g W`` (written straight into its slice) and `
 Three GEMMs per token, but grad_W is read and written once per chunk, which a small memory
 budget (few rows per chunk) makes expensive.
 
-Two passes (small budgets, see ``MIN_TOKEN_CHUNK_ROWS``). Pass A runs the token chunks for the
+Two passes (small budgets, see ``Tuning.min_token_chunk_rows``). Pass A runs the token chunks for the
 loss and grad_h only, with the not-yet-computed grad_W as its logits buffer; pass B walks the
 vocabulary in blocks, recomputes the ``tokens x block`` logits and writes each grad_W block with one
 GEMM over all tokens. Four GEMMs per token instead of three, but no grad_W re-reads and no
@@ -20,14 +20,13 @@ exist.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from liger_patch.ops.backends import Backend
+from liger_patch.ops.budget import ChunkPlan, ChunkShape, plan_chunks
 from liger_patch.ops.options import LossOptions
-
-RowKernel = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 
 
 @dataclass
@@ -37,25 +36,6 @@ class ChunkResult:
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
     grad_bias: torch.Tensor | None
-
-
-MIN_TOKEN_CHUNK_ROWS = 512
-"""Below this many rows per token chunk, the two-pass path computes grad_W instead: measured on an
-H200 (docs/perf-notes.md), a grad_W GEMM over 512-row chunks already costs ~30 % more than one
-over all tokens, and each halving of the chunk adds a full extra pass over grad_W."""
-
-
-def chunk_rows(vocab: int, budget_bytes: int, element_bytes: int = 4) -> int:
-    """Rows per chunk so that a ``rows x vocab`` chunk fits ``budget_bytes`` (at least one row).
-
-    Rounded down to a multiple of 256 from 512 rows up (of 128 from 256): cuBLAS tiles the chunk
-    GEMMs 256 rows at a time, and a part-filled tile row costs a whole one. Measured on an H200
-    at N=32768, H=4096, V=151936 (docs/perf-notes.md): 1664 rows 202 ms, 1536 rows 192 ms.
-    """
-    rows = max(1, budget_bytes // (element_bytes * max(vocab, 1)))
-    if rows >= 512:
-        return rows - rows % 256
-    return rows - rows % 128 if rows >= 256 else rows
 
 
 def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -120,28 +100,19 @@ def _chunk_logits(
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    dtype: torch.dtype,
     opts: LossOptions,
+    dtype: torch.dtype,
     out: torch.Tensor | None,
-    fused: bool,
+    backend: Backend | None,
 ) -> tuple[torch.Tensor, tuple | None]:
-    """A token chunk's logits, and with ``fused`` (where ``triton_logits`` supports the chunk)
-    the log-sum-exp partials its GEMM leaves for the row kernel; else ``_logits`` and ``None``."""
-    if fused:
-        from liger_patch.ops import triton_logits
-
-        if triton_logits.supported(h, w, dtype):
-            if out is None:
-                out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
-            bias = _bias_as_added(b, h.dtype, dtype)
-            return out, triton_logits.logits_with_partials(h, w, bias, opts, out)
+    """A token chunk's logits and, where ``backend``'s fused logits GEMM supports the chunk, the
+    log-sum-exp partials it leaves for the row kernel; else ``_logits`` and ``None``."""
+    fused = backend.fused_logits if backend is not None else None
+    if fused is not None and fused.supported(h, w, dtype, opts.tuning):
+        if out is None:
+            out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
+        return out, fused.logits_with_partials(h, w, _bias_as_added(b, h.dtype, dtype), opts, out)
     return _logits(h, w, b, dtype, out=out), None
-
-
-def _partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
-    from liger_patch.ops import triton_logits
-
-    return triton_logits.partial_bytes_per_row(vocab, opts)
 
 
 _ALIGN = 16  # bytes; keeps cuBLAS on its vectorised kernels and any dtype view legal
@@ -192,9 +163,31 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
+def _plan(
+    backend: Backend, hidden, weight, opts: LossOptions, budget_bytes: int, grad_weight: bool, lse_given: bool
+):
+    """The chunk plan of this call, and the backend whose fused logits GEMM token chunks may use
+    (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster)."""
+    fused = (
+        backend if backend.fused_logits is not None and opts.tuning.fused_logits and not lse_given else None
+    )
+    logits_dtype = opts.logits_dtype or hidden.dtype
+    shape = ChunkShape(
+        n_rows=hidden.shape[0],
+        vocab=weight.shape[0],
+        weight_numel=weight.numel(),
+        weight_bytes=weight.element_size(),
+        logit_bytes=logits_dtype.itemsize,
+        gemm_fp32=_gemm_dtype(hidden) == torch.float32,
+        partial_bytes_per_row=fused.fused_logits.partial_bytes_per_row(weight.shape[0], opts) if fused else 0,
+        grad_weight=grad_weight,
+    )
+    return plan_chunks(shape, budget_bytes, opts.tuning), fused
+
+
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
 def run_chunks(
-    row_kernel: RowKernel,
+    backend: Backend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -208,102 +201,90 @@ def run_chunks(
     need_hidden: bool = False,
     need_weight: bool = False,
     need_bias: bool = False,
-    fp32_grad_weight: bool | None = None,
-    logits_dtype: torch.dtype | None = None,
-    two_pass: bool | None = None,
-    fused_logits: bool = False,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
     ``coef_ce``/``coef_z`` (N,) fp32 weight each row's d ce/dz and d z-term/dz; they are zero at
     ignored rows. ``lse_in`` (N,) skips the log-sum-exp pass (the backward passes the forward's).
-    Gradients come back in the dtypes of their inputs.
+    Gradients come back in the dtypes of their inputs. ``budget_bytes`` bounds the working
+    memory (the logits chunk, or the vocabulary block in pass B, plus an fp32 grad_W accumulator
+    when the plan keeps one); ``opts.logits_dtype`` is how chunks are stored and ``opts.tuning``
+    shapes the plan.
 
-    ``logits_dtype`` is how logits chunks are stored (``None``: the input dtype). ``budget_bytes``
-    bounds the working memory: the logits chunk, or the vocabulary block in pass B, plus an fp32
-    grad_W accumulator when one is used.
-
-    ``fused_logits`` (the Triton backend) computes token chunks' logits with
-    ``triton_logits.logits_with_partials`` where it supports them, and hands its log-sum-exp
-    partials to the row kernel, which then reads each chunk once fewer.
-
-    ``two_pass=None`` picks the two-pass path when grad_W is needed and the budget gives fewer
-    than ``MIN_TOKEN_CHUNK_ROWS`` rows per token chunk (and more than one chunk).
-
-    On the token-chunk path grad_W sums one GEMM per chunk. Each GEMM accumulates in fp32;
-    across chunks the sum is kept in fp32 when the weight is fp32, on CPU, or when an fp32 copy
-    of ``grad_W`` fits in ``budget_bytes`` next to the chunk (``fp32_grad_weight=None``);
-    otherwise it is accumulated in the weight's own dtype (one rounding per chunk) so that the
-    extra memory stays within the budget.
+    On the token-chunk path grad_W sums one GEMM per chunk, each accumulating in fp32; across
+    chunks the sum is kept in fp32 or in the weight's own dtype, as the plan says.
     """
-    n_rows = hidden.shape[0]
-    vocab = weight.shape[0]
-    device = hidden.device
     compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
+    grad_weight_here = compute_grad and need_weight
+    plan, fused = _plan(backend, hidden, weight, opts, budget_bytes, grad_weight_here, lse_in is not None)
+    n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
     b = None if bias is None else bias.float().contiguous()  # the fused GEMM reads it by column
-    logits_dtype = logits_dtype or hidden.dtype
-    logit_bytes = logits_dtype.itemsize
-    # With the log-sum-exp given, partials would save nothing: cuBLAS alone is faster. Where the
-    # fused GEMM runs, its partials share the budget with the chunk they describe.
-    fused_logits = fused_logits and lse_in is None
-    part_bytes = _partial_bytes_per_row(vocab, opts) if fused_logits else 0
 
-    def rows_within(budget: int) -> int:
-        return chunk_rows(
-            vocab, budget - budget * part_bytes // (vocab * logit_bytes + part_bytes), logit_bytes
+    res = ChunkResult(None, None, None, None, None)
+    if lse_in is None:
+        res.ce = torch.empty(n_rows, dtype=torch.float32, device=device)
+        res.lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    if compute_grad and need_hidden:  # contiguous whatever hidden's strides (not empty_like)
+        res.grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device)
+    if compute_grad and need_bias:
+        res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if grad_weight_here:
+        acc_dtype = torch.float32 if plan.grad_weight_fp32 else weight.dtype
+        # A weight-dtype sum's first chunk overwrites; an fp32 one is added into; pass B writes every block.
+        alloc = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
+        res.grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
+
+    token_grads = compute_grad and (need_hidden or not plan.two_pass)
+    # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
+    if lse_in is None or token_grads:
+        _token_pass(
+            backend, fused, plan, hidden, w, b, labels, opts, res, coef_ce, coef_z, lse_in, token_grads
+        )
+    if plan.two_pass:
+        lse = lse_in if lse_in is not None else res.lse
+        logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
+        _vocab_pass(
+            backend, plan, hidden.to(gemm_dtype), w, b, labels, opts, logits_dtype, coef_ce, coef_z, lse, res
         )
 
-    step = rows_within(budget_bytes)
-    if two_pass is None:
-        two_pass = step < MIN_TOKEN_CHUNK_ROWS < n_rows
-    two_pass = two_pass and compute_grad and need_weight
+    if res.grad_weight is not None:
+        res.grad_weight = res.grad_weight.to(weight.dtype)
+    if res.grad_bias is not None:
+        res.grad_bias = res.grad_bias.to(bias.dtype)
+    return res
 
-    ce = lse = None
-    if lse_in is None:
-        ce = torch.empty(n_rows, dtype=torch.float32, device=device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    grad_hidden = None
-    if compute_grad and need_hidden:  # contiguous whatever hidden's strides (not empty_like)
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device)
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if compute_grad and need_bias else None
 
-    grad_weight = scratch = None
-    overwrite_first = False
-    if compute_grad and need_weight and two_pass:
-        grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device)
-        # Pass A keeps its logits chunks in grad_W's bytes: they are free until pass B.
-        scratch_rows = min(n_rows, weight.numel() * weight.element_size() // (vocab * logit_bytes))
-        if part_bytes:  # the chunk lives in grad_W, but its partials come out of the budget
-            scratch_rows = min(scratch_rows, max(1, budget_bytes // part_bytes))
-        if scratch_rows > step:
-            step, scratch = scratch_rows, grad_weight
-    elif compute_grad and need_weight:
-        # An fp32 accumulator is used when it fits in the budget next to chunks of at least
-        # MIN_TOKEN_CHUNK_ROWS rows (or all rows); the chunks then share what it leaves.
-        rest = budget_bytes - 4 * weight.numel()
-        rest_rows = rows_within(rest) if rest > 0 else 0
-        if fp32_grad_weight is None:
-            fp32_grad_weight = gemm_dtype == torch.float32 or rest_rows >= min(n_rows, MIN_TOKEN_CHUNK_ROWS)
-        if fp32_grad_weight and gemm_dtype != torch.float32:
-            step = max(1, rest_rows)
-        acc_dtype = torch.float32 if fp32_grad_weight else weight.dtype
-        # The first chunk's GEMM overwrites a weight-dtype accumulator; an fp32 one is added into.
-        overwrite_first = acc_dtype != torch.float32 and n_rows > 0
-        alloc = torch.empty if overwrite_first else torch.zeros
-        grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
+def _token_pass(
+    backend: Backend,
+    fused: Backend | None,
+    plan: ChunkPlan,
+    hidden: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    labels: torch.Tensor,
+    opts: LossOptions,
+    res: ChunkResult,
+    coef_ce: torch.Tensor | None,
+    coef_z: torch.Tensor | None,
+    lse_in: torch.Tensor | None,
+    token_grads: bool,
+) -> None:
+    """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h.
 
-    token_grads = compute_grad and (need_hidden or not two_pass)
-    # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
-    token_rows = n_rows if (lse_in is None or token_grads) else 0
-    for start in range(0, token_rows, step):
-        stop = min(start + step, n_rows)
-        h = hidden[start:stop].to(gemm_dtype)
+    On the two-pass path the chunks may live in grad_W's bytes (``plan.logits_in_grad_weight``),
+    free until pass B writes it."""
+    n_rows, vocab = hidden.shape[0], w.shape[0]
+    logits_dtype = opts.logits_dtype or hidden.dtype
+    scratch = res.grad_weight if plan.logits_in_grad_weight else None
+    for start in range(0, n_rows, plan.rows):
+        stop = min(start + plan.rows, n_rows)
+        h = hidden[start:stop].to(w.dtype)
         out = None if scratch is None else _buffer_in(scratch, stop - start, vocab, logits_dtype)
-        logits, partials = _chunk_logits(h, w, b, logits_dtype, opts, out, fused_logits)
-        g = _grad_view(logits, gemm_dtype) if token_grads else None
-        ce_c, lse_c = row_kernel(
+        logits, partials = _chunk_logits(h, w, b, opts, logits_dtype, out, fused)
+        g = _grad_view(logits, w.dtype) if token_grads else None
+        ce_c, lse_c = backend.row_kernel(
             logits,
             labels[start:stop],
             opts,
@@ -314,92 +295,55 @@ def run_chunks(
             **({} if partials is None else {"partials": partials}),
         )
         del partials  # now, not when the next chunk's are already allocated
-        if ce is not None:
-            ce[start:stop] = ce_c
-            lse[start:stop] = lse_c
+        if res.ce is not None:
+            res.ce[start:stop] = ce_c
+            res.lse[start:stop] = lse_c
         if g is None:
             continue
-        if grad_hidden is not None:
-            _mm_into(grad_hidden[start:stop], g, w)
-        if not two_pass:
-            if grad_weight is not None:
-                _accumulate_grad_weight(grad_weight, g, h, start == 0 and overwrite_first)
-            if grad_bias is not None:
-                grad_bias += g.sum(dim=0, dtype=torch.float32)
+        if res.grad_hidden is not None:
+            _mm_into(res.grad_hidden[start:stop], g, w)
+        if not plan.two_pass:
+            if res.grad_weight is not None:
+                _accumulate_grad_weight(res.grad_weight, g, h, start == 0 and plan.overwrite_first)
+            if res.grad_bias is not None:
+                res.grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g
-
-    if two_pass:
-        _vocab_pass(
-            row_kernel,
-            hidden.to(gemm_dtype),
-            w,
-            b,
-            labels,
-            opts,
-            budget_bytes,
-            logits_dtype,
-            coef_ce,
-            coef_z,
-            lse_in if lse_in is not None else lse,
-            grad_weight,
-            grad_bias,
-        )
-
-    return ChunkResult(
-        ce=ce,
-        lse=lse,
-        grad_hidden=grad_hidden,
-        grad_weight=None if grad_weight is None else grad_weight.to(weight.dtype),
-        grad_bias=None if grad_bias is None else grad_bias.to(bias.dtype),
-    )
 
 
 def _vocab_pass(
-    row_kernel: RowKernel,
+    backend: Backend,
+    plan: ChunkPlan,
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
     labels: torch.Tensor,
     opts: LossOptions,
-    budget_bytes: int,
     logits_dtype: torch.dtype,
     coef_ce: torch.Tensor,
     coef_z: torch.Tensor,
     lse: torch.Tensor,
-    grad_weight: torch.Tensor,
-    grad_bias: torch.Tensor | None,
+    res: ChunkResult,
 ) -> None:
     """Pass B: grad_W (and grad_b) block by block over the vocabulary, from recomputed logits.
 
     The row kernel turns each block's ``tokens x cols`` logits into the gradient using the full
-    rows' log-sum-exp (``lse``), and one GEMM over all tokens writes that block of grad_W. A
-    block's logits live in the rows of grad_W that are still unwritten (those after the block)
-    while they are large enough, which makes the early blocks wide; the last ones use a buffer
-    of ``budget_bytes``.
+    rows' log-sum-exp (``lse``), and one GEMM over all tokens writes that block of grad_W. Blocks
+    marked ``in_grad_weight`` keep their logits in grad_W's still unwritten last rows; the others
+    share one buffer sized by the budget.
     """
     n_rows, vocab = h.shape[0], w.shape[0]
-    gemm_dtype = h.dtype
-    logit_bytes = logits_dtype.itemsize
-    row_bytes = grad_weight.shape[1] * grad_weight.element_size()
-    budget_cols = chunk_rows(n_rows, budget_bytes, logit_bytes)
+    grad_weight = res.grad_weight
     buf = None
-    v0 = 0
-    while v0 < vocab:
-        # cols * tokens * logit_bytes + alignment <= (vocab - v0 - cols) * row_bytes: the rows
-        # after the block hold its logits.
-        cols = max(0, (vocab - v0) * row_bytes - _ALIGN) // (n_rows * logit_bytes + row_bytes)
-        cols -= cols % 128 if cols >= 256 else 0
-        if cols > budget_cols:
-            v1 = v0 + cols
-            out = _buffer_in(grad_weight, n_rows, cols, logits_dtype, at_end=True)
+    for v0, v1, in_grad_weight in plan.vocab_blocks:
+        if in_grad_weight:
+            out = _buffer_in(grad_weight, n_rows, v1 - v0, logits_dtype, at_end=True)
         else:
-            v1 = min(v0 + budget_cols, vocab)
             if buf is None:
                 buf = torch.empty(n_rows * (v1 - v0), dtype=logits_dtype, device=h.device)
             out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
         logits = _logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
-        g = _grad_view(logits, gemm_dtype)
-        row_kernel(
+        g = _grad_view(logits, h.dtype)
+        backend.row_kernel(
             logits,
             labels,
             opts,
@@ -411,7 +355,6 @@ def _vocab_pass(
             vocab_total=vocab,
         )
         _mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
-        if grad_bias is not None:
-            grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
+        if res.grad_bias is not None:
+            res.grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
         del logits, g, out
-        v0 = v1

@@ -70,21 +70,31 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, where: str = "fused_linear_cross_entropy", **kwargs: Any) -> LossOptions:
         """``LossOptions(**kwargs)``, with an unknown name refused by a message that lists the options."""
-        unknown = sorted(set(kwargs) - set(OPTION_NAMES))
-        if unknown:
-            raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}")
+        _refuse_unknown(kwargs, where)
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> LossOptions:
         """A copy with ``changes`` applied and checked."""
+        _refuse_unknown(changes, "LossOptions.replace")
         return dataclasses.replace(self, **changes) if changes else self
 
     def changed(self) -> dict[str, Any]:
         """The options that differ from their defaults (for reprs and logs)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        }
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+
+
+def _refuse_unknown(kwargs: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}")
+
 
 OPTION_DOCS = {
     "ignore_index": "label value of tokens that do not count",
@@ -130,8 +140,14 @@ def _checked(opts: LossOptions) -> dict[str, Any]:
         raise ValueError(f"logit_scale must be a finite non-zero number (or None), got {logit_scale}")
     if opts.memory_budget is not None:
         parse_memory_budget(opts.memory_budget)
-    if opts.logits_dtype is not None and opts.logits_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"logits_dtype must be None or a float dtype (torch.float32), got {opts.logits_dtype!r}")
+    if opts.logits_dtype is not None and opts.logits_dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
+        raise ValueError(
+            f"logits_dtype must be None or a float dtype (torch.float32), got {opts.logits_dtype!r}"
+        )
     if not isinstance(opts.tuning, Tuning):
         raise TypeError(f"tuning must be a liger_patch.ops.tuning.Tuning, got {type(opts.tuning).__name__}")
     return dict(

@@ -1,6 +1,6 @@
 """Row kernel in plain PyTorch: the CPU default and the readable statement of the math.
 
-It has the same contract as the Triton row kernel (``triton_ce.ce_rows_triton``): given one chunk
+It has the same contract as the Triton row kernel (``triton/rows.py``'s ``ce_rows_triton``): given one chunk
 of logits ``x = W h + b`` it returns the per-row cross-entropy and log-sum-exp and, when
 row coefficients are given, writes d(loss)/dx into ``grad``.
 """

@@ -7,6 +7,7 @@ Nothing reads a module-level switch: tests and benchmarks that want another sett
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -19,9 +20,9 @@ class Tuning:
         fused_logits: compute token chunks' logits with the Triton GEMM that also leaves the
             log-sum-exp partials, where the hardware and the chunk allow it. Items 19-20: the
             whole op gained 0.4-0.9 ms at the four benchmark shapes (interleaved A/B,
-            ``docs/results/chunk_sweep.json``, ``fused_ab``).
+            ``benchmarks/experiments/results/chunk_sweep.json``, key ``fused_ab``).
         reverse_pass2: the Triton row kernel's second pass walks each row backwards, so the
-            blocks its first pass read last are still in L2 (``benchmarks/chunk_sweep.py``).
+            blocks its first pass read last are still in L2 (``benchmarks/experiments/chunk_sweep.py``).
         row_block: the Triton row kernel's largest block of columns per step; a row narrower
             than this uses the next power of two (at least 128).
         row_warps: ``(block at least, warps)`` pairs, first match wins: the warps per row for
@@ -60,9 +61,17 @@ class Tuning:
         ):
             raise ValueError(f"Tuning.chunk_rows must be None or an int >= 1, got {self.chunk_rows!r}")
         if not self.row_warps or any(len(pair) != 2 for pair in self.row_warps):
-            raise ValueError(f"Tuning.row_warps must be (block at least, warps) pairs, got {self.row_warps!r}")
+            raise ValueError(
+                f"Tuning.row_warps must be (block at least, warps) pairs, got {self.row_warps!r}"
+            )
         if len(self.logits_tiles) != 5:
-            raise ValueError(f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}")
+            raise ValueError(
+                f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}"
+            )
+
+    def __repr__(self) -> str:
+        changed = (f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        return f"Tuning({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in changed)})"
 
     def warps_for(self, block: int) -> int:
         """Warps for a row-kernel block of ``block`` columns (``row_warps``, first match)."""

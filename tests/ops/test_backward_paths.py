@@ -11,10 +11,10 @@ from op_helpers import BACKENDS, TOL, assert_close, call_op, make_case, referenc
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_second_backward_over_retained_graph(gen, device, chunk_rows, backend, reduction):
     """The first backward consumes the precomputed gradients; the second must recompute them."""
-    chunk_rows(4, 61)
+    tuned = chunk_rows(4, 61)
     case = make_case(gen, (3, 5), 13, 61, device=device, bias=True)
     opts = dict(backend=backend, reduction=reduction, z_loss_scale=1e-2, softcap=5.0)
-    scaled = call_op(case, **opts) * 0.7  # an upstream gradient != 1 exposes double scaling
+    scaled = call_op(case, **opts, **tuned) * 0.7  # an upstream gradient != 1 exposes double scaling
     scaled.backward(retain_graph=True)
     scaled.backward()
     ref, _, leaves = reference_for(case, **opts)
@@ -28,10 +28,10 @@ def test_fp16_gradients_scaled_like_gradscaler_do_not_underflow(gen, device, chu
     """fp16 gradients of a mean over many tokens are tiny; a GradScaler multiplies the loss by
     2**16 so they survive in fp16. Scaling after rounding (what precomputing in the forward would
     do) would flush them to zero first, so fp16 takes the recompute path."""
-    chunk_rows(16, 37)
+    tuned = chunk_rows(16, 37)
     case = make_case(gen, (96,), 8, 37, dtype=torch.float16, device=device)
     scale, items = 2.0**24, 50_000_000
-    loss = call_op(case, backend=backend, num_items_in_batch=items)
+    loss = call_op(case, backend=backend, num_items_in_batch=items, **tuned)
     (loss * scale).backward()
     ref, _, leaves = reference_for(case, num_items_in_batch=items)
     (ref * scale).backward()

@@ -32,11 +32,11 @@ def _loss_and_grads(fn, case, *args):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_matches_eager_and_reference(gen, device, chunk_rows, backend, reduction, compiler):
-    chunk_rows(4, 97)
+    tuned = chunk_rows(4, 97)
     opts = dict(backend=backend, reduction=reduction, label_smoothing=0.1, z_loss_scale=1e-2, softcap=6.0)
 
     def step(hidden, weight, labels, bias, upstream):
-        loss = call_raw(hidden, weight, labels, bias, **opts)
+        loss = call_raw(hidden, weight, labels, bias, **opts, **tuned)
         return (loss * upstream).sum()
 
     case = make_case(gen, (2, 13), 19, 97, device=device, bias=True, ignore="half")

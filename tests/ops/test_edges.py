@@ -16,7 +16,8 @@ from op_helpers import (
     materialize_options,
     reference_for,
 )
-from reference import reference_flce
+
+from liger_patch.ops.reference import reference_flce
 
 FP32 = TOL[torch.float32]
 
@@ -80,7 +81,7 @@ def test_nothing_kept_is_exact_zero_with_zero_grads(gen, device, backend, inp_id
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nothing_kept_with_every_option(gen, device, chunk_rows, backend, reduction):
-    chunk_rows(2, 97)
+    tuned = chunk_rows(2, 97)
     case = make_case(gen, (7,), 19, 97, device=device, bias=True, ignore="all", ignore_index=-1)
     _check_nothing_kept(
         case,
@@ -93,6 +94,7 @@ def test_nothing_kept_with_every_option(gen, device, chunk_rows, backend, reduct
         softcap=5.0,
         logit_scale=0.5,
         return_z_loss=True,
+        **tuned,
     )
 
 
@@ -118,9 +120,9 @@ REQUIRES = [("hidden",), ("weight",), ("bias",), ("weight", "bias"), ("hidden", 
 @pytest.mark.parametrize("requires", REQUIRES, ids="+".join)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grads_only_where_required(gen, device, chunk_rows, backend, requires):
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     case = make_case(gen, (2, 7), 19, 97, device=device, bias=True, requires_grad=requires)
-    check_parity(case, gen, tol=FP32, backend=backend, label_smoothing=0.1, softcap=6.0)
+    check_parity(case, gen, tol=FP32, backend=backend, label_smoothing=0.1, softcap=6.0, **tuned)
     for name, t in case.tensors().items():
         if name not in requires:
             assert t.grad is None, f"{name} does not require grad but got .grad"
@@ -139,14 +141,14 @@ def test_no_input_requires_grad(gen, device, backend):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_grad_call(gen, device, chunk_rows, backend, reduction, mode):
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     case = make_case(gen, (2, 7), 19, 97, device=device, bias=True)
     opts = dict(
         backend=backend, reduction=reduction, z_loss_scale=1e-2, return_z_loss=True, label_smoothing=0.1
     )
     ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
     with ctx:
-        loss, z = call_op(case, **opts)
+        loss, z = call_op(case, **opts, **tuned)
     assert loss.grad_fn is None and not loss.requires_grad
     assert z.grad_fn is None and not z.requires_grad
     ref, ref_z, _ = reference_for(case, **opts)
@@ -164,7 +166,7 @@ def test_no_grad_call(gen, device, chunk_rows, backend, reduction, mode):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_z_loss_is_the_term_added_to_loss(gen, device, chunk_rows, backend, reduction, extra):
     """loss(z_loss_scale=k) - loss(z_loss_scale=0) == returned z_loss == reference z term."""
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     case = make_case(gen, (2, 9), 19, 97, device=device, bias=True, requires_grad=())
     opts = dict(backend=backend, reduction=reduction)
     if extra == "with_options":
@@ -172,8 +174,8 @@ def test_z_loss_is_the_term_added_to_loss(gen, device, chunk_rows, backend, redu
         if reduction == "mean":
             opts["num_items_in_batch"] = 29
     k = 3e-2
-    loss_k, z = call_op(case, z_loss_scale=k, return_z_loss=True, **opts)
-    loss_0 = call_op(case, z_loss_scale=0.0, **opts)
+    loss_k, z = call_op(case, z_loss_scale=k, return_z_loss=True, **opts, **tuned)
+    loss_0 = call_op(case, z_loss_scale=0.0, **opts, **tuned)
     _, ref_z, _ = reference_for(case, z_loss_scale=k, **opts)
     assert float(ref_z.abs().max()) > 0.1  # the term is not negligible
     assert_close("z_loss", z, ref_z, FP32)
@@ -190,7 +192,7 @@ def test_z_loss_is_the_term_added_to_loss(gen, device, chunk_rows, backend, redu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_z_loss_backprop(gen, device, chunk_rows, backend, reduction):
     """(loss + 3 * z_loss).backward() matches the reference: gradients flow through z_loss too."""
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     case = make_case(gen, (2, 9), 19, 97, device=device, bias=True)
     check_parity(
         case,
@@ -201,6 +203,7 @@ def test_z_loss_backprop(gen, device, chunk_rows, backend, reduction):
         reduction=reduction,
         z_loss_scale=3e-2,
         return_z_loss=True,
+        **tuned,
     )
 
 
@@ -240,7 +243,7 @@ def test_return_z_loss_false_returns_tensor(gen, device, backend):
 def test_grad_accumulation_two_calls_two_backwards(gen, device, chunk_rows, backend):
     """Same leaves, two calls with different labels, backward after each, on top of an existing
     .grad: every .grad is initial + ref1 + ref2."""
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     opts = dict(backend=backend, label_smoothing=0.1, z_loss_scale=1e-2, softcap=5.0)
     case1 = make_case(gen, (2, 9), 19, 97, device=device, bias=True)
     case2 = make_case(gen, (2, 9), 19, 97, device=device, bias=True)
@@ -252,7 +255,7 @@ def test_grad_accumulation_two_calls_two_backwards(gen, device, chunk_rows, back
 
     expected = dict(initial)
     for case in (case1, case2):
-        call_op(case, **opts).backward()
+        call_op(case, **opts, **tuned).backward()
         ref, _, leaves = reference_for(case, **opts)
         grads = torch.autograd.grad(ref, list(leaves.values()))
         for name, g in zip(leaves, grads, strict=True):
@@ -280,7 +283,7 @@ def test_two_calls_one_backward(gen, device, backend):
 def test_micro_batches_with_num_items_equal_full_batch(gen, device, chunk_rows, backend):
     """Gradient accumulation as HF does it: two micro-batches, each divided by the total number
     of kept tokens, accumulate to the full-batch mean loss and gradients."""
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     full = make_case(gen, (2, 13), 19, 97, device=device, bias=True, ignore="half")
     total = torch.tensor(full.n_kept, device=device)
     parts = []
@@ -290,7 +293,7 @@ def test_micro_batches_with_num_items_equal_full_batch(gen, device, chunk_rows, 
     w, b = full.weight, full.bias
     loss_sum = 0.0
     for h, y in parts:
-        loss = call_raw(h, w, y, b, backend=backend, num_items_in_batch=total, label_smoothing=0.1)
+        loss = call_raw(h, w, y, b, backend=backend, num_items_in_batch=total, label_smoothing=0.1, **tuned)
         loss.backward()
         loss_sum += loss.detach().double().cpu()
     ref, _, leaves = reference_for(full, label_smoothing=0.1)
@@ -308,7 +311,7 @@ def test_micro_batches_with_num_items_equal_full_batch(gen, device, chunk_rows, 
 def test_non_contiguous_inputs(gen, device, chunk_rows, backend):
     """Shifted views as a causal LM makes them (hidden[:, :-1], labels[:, 1:]), a transposed
     weight and a strided bias."""
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     H, V = 19, 97
     h_base = torch.randn(2, 10, H, generator=gen).to(device).requires_grad_()
     wt_base = (torch.randn(H, V, generator=gen) * 0.5).to(device).requires_grad_()
@@ -319,7 +322,7 @@ def test_non_contiguous_inputs(gen, device, chunk_rows, backend):
     hidden, weight, bias, labels = h_base[:, :-1], wt_base.T, b_base[::2], y_base[:, 1:]
     assert not (hidden.is_contiguous() or weight.is_contiguous() or labels.is_contiguous())
 
-    loss = call_raw(hidden, weight, labels, bias, backend=backend, reduction="none")
+    loss = call_raw(hidden, weight, labels, bias, backend=backend, reduction="none", **tuned)
     g = torch.randn(loss.shape, generator=gen).to(device)
     (loss * g).sum().backward()
 
@@ -338,11 +341,13 @@ def test_non_contiguous_inputs(gen, device, chunk_rows, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inputs_are_not_modified(gen, device, chunk_rows, backend):
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     case = make_case(gen, (2, 9), 19, 97, device=device, bias=True)
     before = {k: t.detach().clone() for k, t in case.tensors().items()}
     labels_before = case.labels.clone()
-    loss, z = call_op(case, backend=backend, label_smoothing=0.1, z_loss_scale=1e-2, return_z_loss=True)
+    loss, z = call_op(
+        case, backend=backend, label_smoothing=0.1, z_loss_scale=1e-2, return_z_loss=True, **tuned
+    )
     (loss + z).backward()
     for name, t in case.tensors().items():
         assert torch.equal(t.detach(), before[name]), f"{name} was modified in place"

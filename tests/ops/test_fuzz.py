@@ -49,11 +49,12 @@ import torch
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 from op_helpers import IGNORE_PATTERNS, TOL, ignore_mask
-from reference import reference_flce
 
 import liger_patch as lp
 from liger_patch.ops import chunked
-from liger_patch.ops.fused_linear_ce import PER_TOKEN_BYTES, SLACK_BYTES
+from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES
+from liger_patch.ops.reference import reference_flce
+from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
 
 # Leaves made column-major get contiguous gradients from autograd's reshape: torch says so, rightly.
 pytestmark = pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
@@ -423,28 +424,31 @@ def memory_budget_for(spec: Spec) -> int | None:
     return SLACK_BYTES + PER_TOKEN_BYTES * spec.n + spec.rows * spec.V * itemsize
 
 
+def tuning_for(spec: Spec) -> Tuning:
+    """The two-pass threshold lowered when ``spec.two_pass``."""
+    return Tuning(min_token_chunk_rows=spec.rows + 1) if spec.two_pass else DEFAULT_TUNING
+
+
 def _record(mp: pytest.MonkeyPatch, module, name: str, calls: collections.Counter) -> None:
     real = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls[name] += 1
-        return real(*args, **kwargs)
+        result = real(*args, **kwargs)
+        if name == "_chunk_logits" and result[1] is not None:
+            calls["logits_with_partials"] += 1  # the chunk went through the fused logits GEMM
+        return result
 
     mp.setattr(module, name, spy)
 
 
 @contextlib.contextmanager
 def chunk_plan(spec: Spec):
-    """The two-pass threshold lowered when ``spec.two_pass``; counts the paths that ran."""
-    from liger_patch.ops import triton_logits
-
+    """Counts the paths that ran (token chunks, fused logits GEMM, two-pass)."""
     calls = collections.Counter()
     with pytest.MonkeyPatch.context() as mp:
-        if spec.two_pass:
-            mp.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", spec.rows + 1)
         _record(mp, chunked, "_vocab_pass", calls)
         _record(mp, chunked, "_chunk_logits", calls)
-        _record(mp, triton_logits, "logits_with_partials", calls)
         yield calls
     chunks = calls["_chunk_logits"]  # token chunks over the forward and any recomputing backward
     event(f"token chunks: {'0' if not chunks else '1' if chunks == 1 else '2-4' if chunks <= 4 else '5+'}")
@@ -464,6 +468,7 @@ def call_op(spec: Spec, hidden, weight, labels, bias):
         num_items_in_batch=materialize_num_items(spec),
         backend=spec.backend,
         memory_budget=memory_budget_for(spec),
+        tuning=tuning_for(spec),
         **spec.options,
     )
 

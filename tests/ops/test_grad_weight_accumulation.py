@@ -6,10 +6,10 @@ import pytest
 import torch
 from op_helpers import make_case, reference_for
 
-from liger_patch.ops import chunked
+from liger_patch.ops.backends import TORCH
 from liger_patch.ops.chunked import run_chunks
 from liger_patch.ops.options import LossOptions
-from liger_patch.ops.torch_ce import ce_rows_torch
+from liger_patch.ops.tuning import Tuning
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,42 +28,38 @@ def test_grad_weight_accumulation_modes(gen, device, fp32_grad_weight):
     case = make_case(gen, (47,), 24, vocab, dtype=torch.bfloat16, device=device, requires_grad=("weight",))
     ref, _, leaves = reference_for(case, reduction="sum")
     ref.backward()
+    opts = LossOptions(
+        logits_dtype=torch.float32,  # isolate the accumulation's rounding from the logits'
+        tuning=Tuning(fp32_grad_weight=fp32_grad_weight),
+    )
     res = run_chunks(
-        ce_rows_torch,
+        TORCH,
         case.hidden.reshape(-1, 24),
         case.weight,
         None,
         case.labels.reshape(-1),
-        LossOptions(),
+        opts,
         budget_bytes=4 * vocab * rows_per_chunk,
         coef_ce=(case.labels.reshape(-1) != -100).float(),
         coef_z=torch.zeros(47, device=device),
         need_weight=True,
-        fp32_grad_weight=fp32_grad_weight,
-        logits_dtype=torch.float32,  # isolate the accumulation's rounding from the logits'
     )
     assert res.grad_weight.dtype == torch.bfloat16
     assert _rel(res.grad_weight, leaves["weight"].grad) < tol
 
 
-def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device, monkeypatch):
+def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device):
     """With the default (auto) rule, a budget that holds an fp32 grad_W next to chunks of
-    MIN_TOKEN_CHUNK_ROWS rows keeps the sum exact in fp32 until the final rounding, so the result
-    equals fp32 accumulation bit for bit."""
-    monkeypatch.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", 4)
+    ``min_token_chunk_rows`` rows keeps the sum exact in fp32 until the final rounding, so the
+    result equals fp32 accumulation bit for bit."""
     case = make_case(gen, (30,), 16, 64, dtype=torch.bfloat16, device=device, requires_grad=("weight",))
-    args = (
-        ce_rows_torch,
-        case.hidden.reshape(-1, 16),
-        case.weight,
-        None,
-        case.labels.reshape(-1),
-        LossOptions(),
-    )
+    hidden, labels = case.hidden.reshape(-1, 16), case.labels.reshape(-1)
+    auto_opts = LossOptions(tuning=Tuning(min_token_chunk_rows=4))
+    fp32_opts = LossOptions(tuning=Tuning(min_token_chunk_rows=4, fp32_grad_weight=True))
     coef = dict(
         coef_ce=torch.ones(30, device=device), coef_z=torch.zeros(30, device=device), need_weight=True
     )
     budget = 4 * 64 * 16 + 2 * 64 * 4  # an fp32 grad_W, and 4 rows of bf16 logits: 8 chunks
-    auto = run_chunks(*args, budget_bytes=budget, **coef)
-    fp32 = run_chunks(*args, budget_bytes=budget, fp32_grad_weight=True, **coef)
+    auto = run_chunks(TORCH, hidden, case.weight, None, labels, auto_opts, budget_bytes=budget, **coef)
+    fp32 = run_chunks(TORCH, hidden, case.weight, None, labels, fp32_opts, budget_bytes=budget, **coef)
     assert torch.equal(auto.grad_weight, fp32.grad_weight)

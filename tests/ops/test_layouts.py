@@ -9,7 +9,8 @@ contiguous tensors``); the fused logits GEMM read a strided fp32 bias by column.
 import pytest
 import torch
 from op_helpers import BACKENDS, TOL, assert_close, call_raw
-from reference import reference_flce
+
+from liger_patch.ops.reference import reference_flce
 
 FP32 = TOL[torch.float32]
 

@@ -15,7 +15,7 @@ from liger_patch.ops import chunked
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_dtype_parity(gen, device, chunk_rows, backend, reduction, dtype, logits_dtype, two_pass):
-    chunk_rows(5, 83, two_pass=two_pass)
+    tuned = chunk_rows(5, 83, two_pass=two_pass)
     case = make_case(gen, (3, 11), 21, 83, dtype=dtype, device=device, bias=True)
     check_parity(
         case,
@@ -27,6 +27,7 @@ def test_logits_dtype_parity(gen, device, chunk_rows, backend, reduction, dtype,
         softcap=8.0,
         label_smoothing=0.05,
         logits_dtype=logits_dtype,
+        **tuned,
     )
 
 

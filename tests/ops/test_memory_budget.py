@@ -6,8 +6,9 @@ import pytest
 import torch
 from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case, record_calls
 
-from liger_patch.ops import chunked, fused_linear_ce
-from liger_patch.ops.options import MEMORY_BUDGETS, LossOptions, parse_memory_budget
+from liger_patch.ops import chunked
+from liger_patch.ops.budget import MEMORY_BUDGETS, PER_TOKEN_BYTES, SLACK_BYTES, parse_memory_budget
+from liger_patch.ops.options import LossOptions
 
 MiB = 1 << 20
 
@@ -59,14 +60,13 @@ def test_argument_environment_default(gen, device, monkeypatch, logits_calls, ba
     call_op(case, backend=backend)
     assert logits_calls == [40]
     logits_calls.clear()
-    monkeypatch.setattr(fused_linear_ce, "SLACK_BYTES", 0)
     # Eight fp32 rows, with the log-sum-exp partials that Triton's fused logits GEMM keeps per row.
     row_bytes = 4 * 64
     if backend == "triton":
-        from liger_patch.ops import triton_logits
+        from liger_patch.ops.triton import logits
 
-        row_bytes += triton_logits.partial_bytes_per_row(64, LossOptions())
-    monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(row_bytes * 8 + 32 * 40))
+        row_bytes += logits.partial_bytes_per_row(64, LossOptions())
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(row_bytes * 8 + PER_TOKEN_BYTES * 40 + SLACK_BYTES))
     call_op(case, backend=backend)
     assert logits_calls == [8] * 5
     logits_calls.clear()

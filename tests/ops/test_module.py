@@ -20,19 +20,19 @@ MODULE_OPTIONS = {
 @pytest.mark.parametrize("opt_id", list(MODULE_OPTIONS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_module_matches_functional_and_reference(gen, device, chunk_rows, backend, opt_id):
-    chunk_rows(3, 97)
+    tuned = chunk_rows(3, 97)
     opts = dict(MODULE_OPTIONS[opt_id], backend=backend)
     ignore_index = opts.get("ignore_index", -100)
     case = make_case(gen, (2, 9), 19, 97, device=device, bias=True, ignore_index=ignore_index)
-    module = lp.FusedLinearCrossEntropyLoss(**opts)
+    module = lp.FusedLinearCrossEntropyLoss(**opts, **tuned)
     assert isinstance(module, torch.nn.Module)
     out = module(case.hidden, case.weight, case.labels, case.bias)
-    functional = call_op(case, **opts)
+    functional = call_op(case, **opts, **tuned)
     torch.testing.assert_close(out, functional, rtol=0, atol=0)
     out.sum().backward()  # the module output is differentiable
     for t in case.tensors().values():
         t.grad = None
-    check_parity(case, gen, tol=FP32, **opts)  # functional path: values + grads vs fp64
+    check_parity(case, gen, tol=FP32, **opts, **tuned)  # functional path: values + grads vs fp64
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -48,9 +48,11 @@ OPTION_CASES = {
 def test_option_parity_fp32(gen, device, chunk_rows, backend, case_id):
     case_kw, op_kw = OPTION_CASES[case_id]
     V = 97
-    chunk_rows(3, V)  # 37 tokens -> 12 full chunks + a remainder of 1
+    tuned = chunk_rows(3, V)  # 37 tokens -> 12 full chunks + a remainder of 1
     case = make_case(gen, (37,), 19, V, device=device, **case_kw)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **materialize_options(op_kw, device))
+    check_parity(
+        case, gen, tol=TOL[torch.float32], backend=backend, **materialize_options(op_kw, device), **tuned
+    )
 
 
 @pytest.mark.parametrize("case_id", ["plain", "bias", "reduction_none", "combined_mean", "combined_none"])
@@ -61,9 +63,9 @@ def test_dtype_parity(gen, device, chunk_rows, backend, dtype, case_id):
     input dtype."""
     case_kw, op_kw = OPTION_CASES[case_id]
     V = 131
-    chunk_rows(4, V)
+    tuned = chunk_rows(4, V)
     case = make_case(gen, (2, 11), 19, V, dtype=dtype, device=device, **case_kw)
-    check_parity(case, gen, tol=TOL[dtype], backend=backend, **materialize_options(op_kw, device))
+    check_parity(case, gen, tol=TOL[dtype], backend=backend, **materialize_options(op_kw, device), **tuned)
 
 
 # (leading shape, H, V, chunk rows or None for a single chunk)
@@ -87,10 +89,10 @@ SHAPES = [
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shapes_and_chunks(gen, device, chunk_rows, backend, shape, reduction):
     lead, H, V, rows = shape
-    chunk_rows(rows, V)
+    tuned = chunk_rows(rows, V)
     ignore = "none" if lead == (1,) else "mixed"
     case = make_case(gen, lead, H, V, device=device, bias=True, ignore=ignore)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, reduction=reduction)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, reduction=reduction, **tuned)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -108,7 +110,7 @@ def test_no_leading_dims(gen, device, backend, reduction):
 def test_ignored_positions(gen, device, chunk_rows, backend, pattern, reduction):
     """Ignored tokens first, last, all but one, in runs, every other, at random; several chunks."""
     V = 97
-    chunk_rows(3, V)
+    tuned = chunk_rows(3, V)
     case = make_case(gen, (2, 11), 5, V, device=device, bias=True, ignore=pattern)
     check_parity(
         case,
@@ -119,6 +121,7 @@ def test_ignored_positions(gen, device, chunk_rows, backend, pattern, reduction)
         label_smoothing=0.1,
         z_loss_scale=1e-2,
         return_z_loss=True,
+        **tuned,
     )
 
 
@@ -126,10 +129,10 @@ def test_ignored_positions(gen, device, chunk_rows, backend, pattern, reduction)
 def test_ignore_index_inside_vocab(gen, device, chunk_rows, backend):
     """ignore_index may be a valid class id: tokens with that label are ignored, others kept."""
     V = 97
-    chunk_rows(3, V)
+    tuned = chunk_rows(3, V)
     case = make_case(gen, (37,), 19, V, device=device, ignore="none", ignore_index=0)
     case.labels[::3] = 0
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, reduction="none")
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, reduction="none", **tuned)
     assert case.n_kept < 37
 
 
@@ -141,7 +144,7 @@ def test_large_logits_are_stable(gen, device, chunk_rows, backend):
     p = exp(z - lse) is only ~1e-5..1e-4 relative accurate: tolerance 1e-4, not 1e-5.
     Overflow or a missing max-subtraction would give inf/nan or errors of order 1."""
     V = 97
-    chunk_rows(3, V)
+    tuned = chunk_rows(3, V)
     case = make_case(gen, (37,), 19, V, device=device, bias=True, logit_std=200.0)
     check_parity(
         case,
@@ -151,6 +154,7 @@ def test_large_logits_are_stable(gen, device, chunk_rows, backend):
         z_loss_scale=1e-4,
         return_z_loss=True,
         label_smoothing=0.1,
+        **tuned,
     )
 
 

@@ -6,7 +6,8 @@ No liger_patch code runs here: if these fail, the reference is wrong, not the op
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import reference_flce
+
+from liger_patch.ops.reference import reference_flce
 
 
 def _inputs(gen, N=13, H=7, V=11, bias=True):

@@ -6,10 +6,11 @@ import pytest
 import torch
 from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, call_op, check_parity, make_case, record_calls
 
-import liger_patch as lp
 from liger_patch.ops import chunked
+from liger_patch.ops.backends import pick
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.torch_ce import ce_rows_torch
+from liger_patch.ops.tuning import Tuning
 
 
 @pytest.fixture
@@ -23,9 +24,9 @@ def vocab_pass_calls(monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_pass_parity(gen, device, chunk_rows, vocab_pass_calls, backend, reduction, dtype):
     # V = 61 is not a multiple of the 7-column blocks; H = 10 gives pass A 10-row chunks.
-    chunk_rows(7, 61, two_pass=True)
+    tuned = chunk_rows(7, 61, two_pass=True)
     case = make_case(gen, (4, 13), 10, 61, dtype=dtype, device=device, bias=True)
-    check_parity(case, gen, tol=TOL[dtype], backend=backend, reduction=reduction, z_loss_scale=1e-2)
+    check_parity(case, gen, tol=TOL[dtype], backend=backend, reduction=reduction, z_loss_scale=1e-2, **tuned)
     assert vocab_pass_calls
 
 
@@ -41,39 +42,39 @@ def test_two_pass_parity(gen, device, chunk_rows, vocab_pass_calls, backend, red
 )
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_pass_options(gen, device, chunk_rows, vocab_pass_calls, backend, opts):
-    chunk_rows(6, 50, two_pass=True)
+    tuned = chunk_rows(6, 50, two_pass=True)
     case = make_case(gen, (37,), 12, 50, device=device, bias=True)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **opts)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **opts, **tuned)
     assert vocab_pass_calls
 
 
 @pytest.mark.parametrize("ignore", IGNORE_PATTERNS + ["all"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_pass_ignore_patterns(gen, device, chunk_rows, backend, ignore):
-    chunk_rows(5, 40, two_pass=True)
+    tuned = chunk_rows(5, 40, two_pass=True)
     case = make_case(gen, (29,), 9, 40, device=device, ignore=ignore)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **tuned)
 
 
 @pytest.mark.parametrize("requires_grad", [("weight",), ("weight", "bias"), ("bias",), ("hidden",)], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_pass_partial_grads(gen, device, chunk_rows, backend, requires_grad):
-    chunk_rows(5, 40, two_pass=True)
+    tuned = chunk_rows(5, 40, two_pass=True)
     case = make_case(gen, (31,), 8, 40, device=device, bias=True, requires_grad=requires_grad)
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **tuned)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_small_budget_takes_two_passes_on_its_own(gen, device, vocab_pass_calls, monkeypatch, backend):
-    """No test hooks on the rule: a budget too small for MIN_TOKEN_CHUNK_ROWS rows of logits
-    selects the two-pass path whenever grad_W is needed, and only then."""
-    monkeypatch.setattr(chunked, "MIN_TOKEN_CHUNK_ROWS", 8)
+def test_small_budget_takes_two_passes_on_its_own(gen, device, vocab_pass_calls, backend):
+    """No forced path: a budget too small for ``min_token_chunk_rows`` rows of logits selects the
+    two-pass path whenever grad_W is needed, and only then."""
+    tuning = Tuning(min_token_chunk_rows=8)
     case = make_case(gen, (40,), 16, 64, device=device)
     budget = 4 * 64 * 3  # three fp32 rows
-    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, memory_budget=budget)
+    check_parity(case, gen, tol=TOL[torch.float32], backend=backend, memory_budget=budget, tuning=tuning)
     assert len(vocab_pass_calls) == 1
     frozen = make_case(gen, (40,), 16, 64, device=device, requires_grad=("hidden",))
-    check_parity(frozen, gen, tol=TOL[torch.float32], backend=backend, memory_budget=budget)
+    check_parity(frozen, gen, tol=TOL[torch.float32], backend=backend, memory_budget=budget, tuning=tuning)
     assert len(vocab_pass_calls) == 1
 
 
@@ -106,9 +107,7 @@ def test_column_block_gradient_matches_the_full_row(gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_column_block_without_lse_is_refused(gen, device, backend):
-    from liger_patch.ops.fused_linear_ce import _row_kernel
-
-    kernel = _row_kernel(lp.ops.fused_linear_ce.resolve_backend(backend, device))
+    kernel = pick(backend, device).row_kernel
     logits = torch.randn(3, 5, generator=gen).to(device)
     with pytest.raises(ValueError, match="log-sum-exp"):
         kernel(
@@ -124,9 +123,9 @@ def test_column_block_without_lse_is_refused(gen, device, backend):
 def test_two_pass_second_backward_and_fp16_recompute(gen, device, chunk_rows, vocab_pass_calls, backend):
     """The backward's recompute path (here: a retained graph's second backward) also runs two
     passes and gives the same gradients as the first backward."""
-    chunk_rows(5, 40, two_pass=True)
+    tuned = chunk_rows(5, 40, two_pass=True)
     case = make_case(gen, (33,), 8, 40, device=device)
-    loss = call_op(case, backend=backend)
+    loss = call_op(case, backend=backend, **tuned)
     loss.backward(retain_graph=True)
     first = case.weight.grad.clone()
     case.weight.grad = None

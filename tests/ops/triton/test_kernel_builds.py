@@ -38,7 +38,9 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.triton_ce import _ce_rows_kernel, _softcap
+from liger_patch.ops.triton.common import round_bf16_nearest, softcap as _softcap
+from liger_patch.ops.triton.rows import _ce_rows_kernel
+from liger_patch.ops.tuning import Tuning
 
 # The leading arguments in the kernel's order; all fp32 pointers unless set below.
 leading = ["logits_ptr", "grad_ptr", "labels_ptr", "coef_ce_ptr", "coef_z_ptr", "lse_in_ptr",
@@ -49,6 +51,7 @@ scalars = {"n_parts": "i32", "stride_logits": "i64", "stride_grad": "i64", "V": 
 flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "HAS_PARTIALS", "COMPUTE_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
 softcap = triton.jit(_softcap)
+round_fn = triton.jit(round_bf16_nearest)
 report = []
 for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in leading}
@@ -63,19 +66,20 @@ for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
-from liger_patch.ops.triton_scale import _scale_kernel
+from liger_patch.ops.triton.scale import _scale_kernel
 
 scale = triton.jit(_scale_kernel)
 for dtype in ("*fp32", "*bf16", "*fp16"):
     src = ASTSource(fn=scale, signature={"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64",
-                                         "BLOCK": "constexpr", "ROUND_BF16_NEAREST": "constexpr"},
-                    constexprs={(3,): 4096, (4,): False})
+                                         "BLOCK": "constexpr", "ROUND_BF16_NEAREST": "constexpr",
+                                         "ROUND_FN": "constexpr"},
+                    constexprs={(3,): 4096, (4,): False, (5,): round_fn})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
-from liger_patch.ops.triton_logits import _CUDA_CONFIG, _GROUP_M, _logits_lse_kernel
+from liger_patch.ops.triton.logits import _GROUP_M, _logits_lse_kernel
 
-bm, bn, bk, stages, warps = _CUDA_CONFIG
+bm, bn, bk, stages, warps = Tuning().logits_tiles
 logits_kernel = triton.jit(_logits_lse_kernel)
 for dtype, *flags in json.loads(sys.argv[2]):
     signature = {"h_desc": f"tensordesc<{dtype}[{bm},{bk}]>", "w_desc": f"tensordesc<{dtype}[{bn},{bk}]>",
@@ -83,8 +87,8 @@ for dtype, *flags in json.loads(sys.argv[2]):
                  "pmax_ptr": "*fp32", "psum_ptr": "*fp32", "pz_ptr": "*fp32",
                  "M": "i32", "V": "i32", "K": "i32", "logit_scale": "fp32", "softcap": "fp32"}
     constexprs = dict(zip(["HAS_BIAS", "HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING"], flags),
-                      ROUND_BF16_NEAREST=False, BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M, PROGRAMS=132,
-                      SOFTCAP_FN=softcap)
+                      ROUND_BF16_NEAREST=False, ROUND_FN=round_fn, BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M,
+                      PROGRAMS=132, SOFTCAP_FN=softcap)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=logits_kernel, signature=signature,

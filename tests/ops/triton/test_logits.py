@@ -1,4 +1,4 @@
-"""The Triton logits GEMM that leaves log-sum-exp partials (``ops/triton_logits.py``).
+"""The Triton logits GEMM that leaves log-sum-exp partials (``ops/triton/logits.py``).
 
 Its logits and partials are checked against fp64; the op through it against the fp64 reference
 in every option, with a spy proving the path ran; and the cases it must leave to cuBLAS. Under
@@ -14,8 +14,9 @@ from op_helpers import DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, re
 
 from liger_patch.ops import chunked
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.tuning import Tuning
 
-triton_logits = pytest.importorskip("liger_patch.ops.triton_logits")
+triton_logits = pytest.importorskip("liger_patch.ops.triton.logits")
 
 
 def _fused_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
@@ -28,11 +29,18 @@ def _fused_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Row counts of the chunks that went through the fused GEMM (the path is switched on)."""
-    monkeypatch.setattr(triton_logits, "ENABLED", True)
-    return record_calls(
-        monkeypatch, triton_logits, "logits_with_partials", lambda args, kwargs, out: args[0].shape[0]
-    )
+    """Row counts of the chunks that went through the fused GEMM (those that came with partials)."""
+    calls = []
+    real = chunked._chunk_logits
+
+    def spy(*args, **kwargs):
+        logits, partials = real(*args, **kwargs)
+        if partials is not None:
+            calls.append(args[0].shape[0])
+        return logits, partials
+
+    monkeypatch.setattr(chunked, "_chunk_logits", spy)
+    return calls
 
 
 def _assert_fused_covered(calls: list[int], n_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -64,9 +72,9 @@ def test_logits_and_partials_match_fp64(gen, device, out_dtype, opts, bias):
     b = (torch.randn(vocab, generator=gen) * 0.5).to(device) if bias else None
     if device.type == "cuda" and (out_dtype == torch.float32 or torch.cuda.get_device_capability() < (9, 0)):
         # fp32 would run as TF32 and its output tile does not fit next to the operand stages.
-        assert not triton_logits.supported(h, w, out_dtype)
+        assert not triton_logits.supported(h, w, out_dtype, Tuning())
         return
-    assert triton_logits.supported(h, w, out_dtype)
+    assert triton_logits.supported(h, w, out_dtype, Tuning())
     out = torch.full((rows, vocab), float("nan"), dtype=out_dtype, device=device)
     pmax, psum, pz = triton_logits.logits_with_partials(h, w, b, opts, out)
 
@@ -102,18 +110,18 @@ def test_logits_and_partials_match_fp64(gen, device, out_dtype, opts, bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_op_parity_through_the_fused_gemm(gen, device, chunk_rows, fused_calls, dtype, bias, opts):
     # 48 tokens in chunks of 16; V = 136 is 4 tiles of 32 and 8 columns (interpreter tiles).
-    chunk_rows(16, 136)
+    tuned = chunk_rows(16, 136)
     case = make_case(gen, (3, 16), 24, 136, dtype=dtype, device=device, bias=bias)
-    check_parity(case, gen, tol=TOL[dtype], backend="triton", **opts)
+    check_parity(case, gen, tol=TOL[dtype], backend="triton", **opts, **tuned)
     _assert_fused_covered(fused_calls, 48, device, dtype)
 
 
 @pytest.mark.parametrize("pattern", IGNORE_PATTERNS + ["all"])
 def test_ignored_tokens_in_every_position(gen, device, chunk_rows, fused_calls, pattern):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    chunk_rows(16, 64)
+    tuned = chunk_rows(16, 64)
     case = make_case(gen, (40,), 16, 64, dtype=dtype, device=device, ignore=pattern)
-    check_parity(case, gen, tol=TOL[dtype], backend="triton", z_loss_scale=1e-3, return_z_loss=True)
+    check_parity(case, gen, tol=TOL[dtype], backend="triton", z_loss_scale=1e-3, return_z_loss=True, **tuned)
     _assert_fused_covered(fused_calls, 40, device, dtype)
 
 
@@ -121,9 +129,9 @@ def test_two_pass_path_uses_it_for_pass_a(gen, device, chunk_rows, fused_calls, 
     """Pass A (loss, grad_h) takes the fused GEMM; pass B, with the log-sum-exp known, does not."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     vocab_passes = record_calls(monkeypatch, chunked, "_vocab_pass")
-    chunk_rows(16, 64, two_pass=True)
+    tuned = chunk_rows(16, 64, two_pass=True)
     case = make_case(gen, (40,), 16, 64, dtype=dtype, device=device, bias=True)
-    check_parity(case, gen, tol=TOL[dtype], backend="triton", label_smoothing=0.1)
+    check_parity(case, gen, tol=TOL[dtype], backend="triton", label_smoothing=0.1, **tuned)
     assert vocab_passes
     _assert_fused_covered(fused_calls, 40, device, dtype)
 
@@ -145,15 +153,14 @@ def test_misaligned_vocabulary_falls_back(gen, device, fused_calls):
     assert fused_calls == []
 
 
-def test_switched_off(gen, device, fused_calls, monkeypatch):
-    monkeypatch.setattr(triton_logits, "ENABLED", False)
+def test_switched_off(gen, device, fused_calls):
     case = make_case(gen, (24,), 16, 64, device=device)
-    check_parity(case, gen, tol=TOL[torch.float32], backend="triton")
+    check_parity(case, gen, tol=TOL[torch.float32], backend="triton", tuning=Tuning(fused_logits=False))
     assert fused_calls == []
 
 
 def test_row_kernel_refuses_partials_it_cannot_use(device):
-    from liger_patch.ops.triton_ce import ce_rows_triton
+    from liger_patch.ops.triton.rows import ce_rows_triton
 
     logits = torch.randn(4, 64, device=device)
     labels = torch.zeros(4, dtype=torch.long, device=device)

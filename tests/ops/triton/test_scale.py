@@ -5,7 +5,7 @@ scale is 1."""
 import pytest
 import torch
 
-from liger_patch.ops.triton_scale import scale_
+from liger_patch.ops.triton.scale import scale_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -26,16 +26,12 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.options import LossOptions
-from liger_patch.ops.triton_ce import compiled_softcap
-
-ENABLED = True
-"""Use this path wherever it is supported (``supported``); benchmarks and tests switch it off to
-compare with cuBLAS plus the two-pass row kernel."""
+from liger_patch.ops.triton.common import jitted, round_bf16_nearest, softcap
+from liger_patch.ops.tuning import Tuning
 
 _ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
-# (BM, BN, BK, stages, warps): the best configuration tried on an H100 and an H200 (perf-notes item 19).
-_CUDA_CONFIG = (128, 256, 64, 3, 8)
+# On CUDA the tiles (BM, BN, BK, stages, warps) are the call's ``Tuning.logits_tiles``.
 # Small tiles under the interpreter, so that test shapes span several tiles in both directions.
 _INTERPRET_CONFIG = (16, 32, 16, 1, 1)
 _INTERPRET_PROGRAMS = 3
@@ -60,6 +56,7 @@ def _logits_lse_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     ROUND_BF16_NEAREST: tl.constexpr,
+    ROUND_FN: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -85,12 +82,8 @@ def _logits_lse_kernel(
         cols = off_n + tl.arange(0, BN)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
-        if ROUND_BF16_NEAREST:
-            # Triton's interpreter narrows fp32 to bf16 by truncation; the GPU (and cuBLAS) round
-            # to nearest even. Rounding the fp32 bits first makes the truncation exact.
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            acc = bits.to(tl.float32, bitcast=True)
+        if ROUND_BF16_NEAREST:  # the interpreter truncates to bf16; cuBLAS rounds to nearest
+            acc = ROUND_FN(acc)
         stored = acc.to(out_desc.dtype)
         out_desc.store([off_m, off_n], stored)  # TMA clips the parts past M and V
 
@@ -111,12 +104,6 @@ def _logits_lse_kernel(
             tl.store(pz_ptr + part, tl.sum(tl.where(in_vocab, z, 0.0), axis=1), mask=rows < M)
 
 
-@functools.lru_cache(maxsize=2)
-def _compiled_kernel(interpret: bool):
-    del interpret  # part of the cache key only: Triton reads TRITON_INTERPRET when jitting
-    return triton.jit(_logits_lse_kernel)
-
-
 @functools.cache
 def _tensor_descriptor():
     """Triton's host-side TMA descriptor class, or None on a Triton without one (or older than
@@ -131,10 +118,10 @@ def _tensor_descriptor():
 
 
 @functools.cache
-def _cuda_fits(device_index: int) -> bool:
+def _cuda_fits(device_index: int, tiles: tuple[int, int, int, int, int]) -> bool:
     """TMA (compute capability 9.0+) and enough shared memory per block for the operand stages
     and the output tile (consumer Blackwell, sm_120, has TMA but ~100 KiB)."""
-    bm, bn, bk, stages, _ = _CUDA_CONFIG
+    bm, bn, bk, stages, _ = tiles
     needed = 2 * (stages * (bm + bn) * bk + bm * bn)  # half-precision bytes
     props = torch.cuda.get_device_properties(device_index)
     optin = getattr(props, "shared_memory_per_block_optin", 0)
@@ -153,12 +140,12 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
-def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bool:
+def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype, tuning: Tuning) -> bool:
     """Whether this path can compute the chunk: TMA hardware (or the interpreter), 16-byte
     aligned rows for the operands and for a contiguous ``rows x V`` output, and, on CUDA, half
     inputs with logits in the same dtype (fp32 inputs would run as TF32 here, and an fp32 output
     tile does not fit in shared memory next to the operand stages)."""
-    if not ENABLED or _tensor_descriptor() is None or h.dtype != w.dtype or h.shape[1] == 0:
+    if not tuning.fused_logits or _tensor_descriptor() is None or h.dtype != w.dtype or h.shape[1] == 0:
         return False
     if (w.shape[0] * logits_dtype.itemsize) % _ALIGN:
         return False
@@ -170,14 +157,20 @@ def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype) -> bo
         h.is_cuda
         and h.dtype in (torch.bfloat16, torch.float16)
         and logits_dtype == h.dtype
-        and _cuda_fits(h.device.index if h.device.index is not None else torch.cuda.current_device())
+        and _cuda_fits(
+            h.device.index if h.device.index is not None else torch.cuda.current_device(), tuning.logits_tiles
+        )
     )
+
+
+def _tiles(tuning: Tuning, interpret: bool) -> tuple[int, int, int, int, int]:
+    return _INTERPRET_CONFIG if interpret else tuning.logits_tiles
 
 
 def partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
     """Bytes of partials ``logits_with_partials`` allocates per row (about V/32 on CUDA, 1/64
     of a half-precision logits row), which the caller's memory budget must cover."""
-    bn = (_INTERPRET_CONFIG if env.triton_interpret() else _CUDA_CONFIG)[1]
+    bn = _tiles(opts.tuning, env.triton_interpret())[1]
     return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
 
 
@@ -193,12 +186,12 @@ def logits_with_partials(
     Returns ``(pmax, psum, pz)``, each (rows, tiles) fp32: per vocabulary tile of each row, the
     max of the transformed logits ``z``, the sum of ``exp(z - max)``, and (label smoothing only,
     else ``None``) the sum of ``z``. ``bias`` must already be in the dtype whose values the
-    cuBLAS path adds (see ``chunked._logits``). Call only where ``supported`` says so.
+    cuBLAS path adds (see ``chunked``). Call only where ``supported`` says so.
     """
     rows, k = h.shape
     vocab = w.shape[0]
     interpret = env.triton_interpret()
-    bm, bn, bk, stages, warps = _INTERPRET_CONFIG if interpret else _CUDA_CONFIG
+    bm, bn, bk, stages, warps = _tiles(opts.tuning, interpret)
     tiles_n = triton.cdiv(vocab, bn)
     pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=h.device)
     psum = torch.empty_like(pmax)
@@ -213,7 +206,7 @@ def logits_with_partials(
         programs = torch.cuda.get_device_properties(h.device).multi_processor_count
     programs = min(programs, n_tiles)
     descriptor = _tensor_descriptor()
-    _compiled_kernel(interpret)[(programs,)](
+    jitted(_logits_lse_kernel)[(programs,)](
         descriptor.from_tensor(h, [bm, bk]),
         descriptor.from_tensor(w, [bn, bk]),
         descriptor(out, [rows, vocab], [out.stride(0), 1], [bm, bn]),
@@ -231,12 +224,13 @@ def logits_with_partials(
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=smoothing,
         ROUND_BF16_NEAREST=interpret and out.dtype == torch.bfloat16,
+        ROUND_FN=jitted(round_bf16_nearest),
         BM=bm,
         BN=bn,
         BK=bk,
         GROUP_M=_GROUP_M,
         PROGRAMS=programs,
-        SOFTCAP_FN=compiled_softcap(interpret),
+        SOFTCAP_FN=jitted(softcap),
         num_stages=stages,
         num_warps=warps,
     )

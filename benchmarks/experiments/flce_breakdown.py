@@ -5,7 +5,9 @@ kernel, GEMM2 (grad_h), GEMM3 (grad_W accumulated in fp32 or bf16), the backward
 the label check; then the whole op at several chunk budgets and row-kernel launch configs.
 Used to decide the performance changes recorded in docs/perf-notes.md.
 
-    python benchmarks/flce_breakdown.py --out breakdown.json
+    python benchmarks/experiments/flce_breakdown.py --out benchmarks/experiments/results/flce_breakdown.json
+
+The row-kernel launch configs are forced through ``Tuning(row_block=b, row_warps=((0, w),))``.
 """
 
 from __future__ import annotations
@@ -13,20 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from liger_patch.ops import fused_linear_ce, triton_ce, validation
-from liger_patch.ops.chunked import _grad_view
-from liger_patch.ops.options import LossOptions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from common import MiB, bench, need_cuda, write_json  # noqa: E402
 
-MiB = 1024 * 1024
-
-
-def bench(fn, rep: int) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median")
+from liger_patch import fused_linear_cross_entropy  # noqa: E402
+from liger_patch.ops import validation  # noqa: E402
+from liger_patch.ops.chunked import _grad_view  # noqa: E402
+from liger_patch.ops.options import LossOptions  # noqa: E402
+from liger_patch.ops.triton.rows import ce_rows_triton  # noqa: E402
+from liger_patch.ops.tuning import Tuning  # noqa: E402
 
 
 def stage_times(n: int, h_dim: int, v: int, rows: int, rep: int) -> dict:
@@ -57,7 +58,7 @@ def stage_times(n: int, h_dim: int, v: int, rows: int, rep: int) -> dict:
         for s, e in chunks:
             logits = torch.mm(hidden[s:e], weight.t(), out_dtype=torch.float32)
             g = _grad_view(logits, torch.bfloat16)
-            triton_ce.ce_rows_triton(logits, labels[s:e], opts, grad=g, coef_ce=coef[s:e], coef_z=coef[s:e])
+            ce_rows_triton(logits, labels[s:e], opts, grad=g, coef_ce=coef[s:e], coef_z=coef[s:e])
 
     def g2():
         for s, e in chunks:
@@ -105,21 +106,16 @@ def full_op(n: int, h_dim: int, v: int, budget_mib: int, launch: tuple[int, int]
     weight = (torch.randn(v, h_dim, device="cuda", generator=gen) / h_dim**0.5).to(torch.bfloat16)
     weight.requires_grad_()
     labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
-    saved_launch = triton_ce._launch_config
-    if launch is not None:
-        triton_ce._launch_config = lambda vocab, interpret: launch
-    try:
+    tuning = Tuning() if launch is None else Tuning(row_block=launch[0], row_warps=((0, launch[1]),))
 
-        def step():
-            hidden.grad = weight.grad = None
-            fused_linear_ce.fused_linear_cross_entropy(
-                hidden, weight, labels, memory_budget=budget_mib * MiB
-            ).backward()
+    def step():
+        hidden.grad = weight.grad = None
+        fused_linear_cross_entropy(
+            hidden, weight, labels, memory_budget=budget_mib * MiB, tuning=tuning
+        ).backward()
 
-        step()
-        return bench(step, rep)
-    finally:
-        triton_ce._launch_config = saved_launch
+    step()
+    return bench(step, rep)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=300)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if not need_cuda("benchmarks/experiments/flce_breakdown.py"):
+        return 2
     n, h_dim, v = (int(x) for x in args.shape.split(","))
     result: dict = {"shape": [n, h_dim, v], "device": torch.cuda.get_device_name(), "stages": [], "op": []}
     for rows in (1024, 2048, 4096):
@@ -140,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         result["op"].append({"budget_mib": 512, "block_v": block, "num_warps": warps, "ms": ms})
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     return 0
 
 

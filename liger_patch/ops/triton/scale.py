@@ -10,36 +10,27 @@ docs/perf-notes.md). The product is taken in fp32 and rounded once, as ``mul_`` 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from liger_patch import env
+from liger_patch.ops.triton.common import jitted, round_bf16_nearest
 
 _BLOCK = 4096
 
 
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, ROUND_BF16_NEAREST: tl.constexpr):
+def _scale_kernel(
+    x_ptr, scale_ptr, n, BLOCK: tl.constexpr, ROUND_BF16_NEAREST: tl.constexpr, ROUND_FN: tl.constexpr
+):
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32) * scale
-        if ROUND_BF16_NEAREST:
-            # Triton's interpreter narrows fp32 to bf16 by truncation (a bias toward zero); the
-            # GPU rounds to nearest even. Rounding the fp32 bits first makes the truncation exact.
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+        if ROUND_BF16_NEAREST:  # the interpreter truncates to bf16; the GPU rounds to nearest
+            x = ROUND_FN(x)
         tl.store(x_ptr + offsets, x.to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.lru_cache(maxsize=2)
-def _compiled_kernel(interpret: bool):
-    del interpret  # part of the cache key only: Triton reads TRITON_INTERPRET when jitting
-    return triton.jit(_scale_kernel)
 
 
 def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
@@ -53,6 +44,12 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         if n == 0:
             continue
         block = 64 if interpret else _BLOCK
-        _compiled_kernel(interpret)[(triton.cdiv(n, block),)](
-            t, scale, n, BLOCK=block, ROUND_BF16_NEAREST=interpret and t.dtype == torch.bfloat16, num_warps=8
+        jitted(_scale_kernel)[(triton.cdiv(n, block),)](
+            t,
+            scale,
+            n,
+            BLOCK=block,
+            ROUND_BF16_NEAREST=interpret and t.dtype == torch.bfloat16,
+            ROUND_FN=jitted(round_bf16_nearest),
+            num_warps=8,
         )

@@ -3,17 +3,16 @@
 Each program owns one row (token). Pass 1 streams the row once for an online log-sum-exp (and
 the logit sum for label smoothing); pass 2 streams it again, backwards so that the part pass 1
 read last is still in L2, and writes the gradient in place. Ignored rows skip both passes and only
-write zeros. When the logits GEMM left log-sum-exp partials (``triton_logits``), folding them
+write zeros. When the logits GEMM left log-sum-exp partials (``triton/logits.py``), folding them
 replaces pass 1. All arithmetic is fp32. With the full rows' log-sum-exp given, the chunk may also be a
 block of columns of wider rows (``col_offset``, ``V_total``): only pass 2 runs then.
 
 The kernel is compiled on first use, for the mode ``TRITON_INTERPRET`` names at that moment, so
-the same process can run it on CUDA and, under the interpreter, on CPU tensors.
+the same process can run it on CUDA and, under the interpreter, on CPU tensors. Its launch
+(block, warps, pass order) comes from the call's ``Tuning``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -21,39 +20,9 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.triton.common import jitted, softcap
+from liger_patch.ops.tuning import Tuning
 from liger_patch.ops.validation import check_column_block
-
-
-def _softcap(x, cap):
-    """``cap * tanh(x / cap)`` and its derivative ``1 - tanh(x / cap)^2``, to fp32 accuracy.
-
-    Both come from ``e = exp(-2|u|)``, u = x / cap: tanh = (1 - e) / (1 + e), and below
-    |u| = 1/4, where 1 - e cancels, the odd Taylor series to u^11 (next term < 3e-10 relative);
-    1 - tanh^2 = 4e / (1 + e)^2, which does not cancel near |tanh| = 1. (``2 sigmoid(2u) - 1``,
-    used before, was up to 2e-3 off relative to tanh for small u.) Kernels take it as a
-    constexpr argument, jitted for the same mode as they are (``compiled_softcap``).
-    """
-    u = x / cap
-    a = tl.abs(u)
-    e = tl.exp(-2.0 * a)
-    u2 = u * u
-    series = u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (
-        -0.05396825396825397 + u2 * (0.021869488536155203 - u2 * 0.008863235529902197))))
-    r = 1.0 / (1.0 + e)  # one division for both results
-    t = tl.where(a < 0.25, a + a * series, (1.0 - e) * r)
-    t = tl.where(u < 0.0, -t, t)
-    return cap * t, 4.0 * e * r * r
-
-
-@functools.lru_cache(maxsize=2)
-def compiled_softcap(interpret: bool):
-    """``_softcap`` jitted for the current ``TRITON_INTERPRET`` mode, to pass as ``SOFTCAP_FN``."""
-    del interpret  # part of the cache key only
-    return triton.jit(_softcap)
-
-
-REVERSE_PASS2 = True
-"""Pass 2 walks the row backwards (measured in benchmarks/chunk_sweep.py, docs/perf-notes.md)."""
 
 
 def _ce_rows_kernel(
@@ -192,20 +161,13 @@ def _ce_rows_kernel(
                 tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=2)
-def _compiled_kernel(interpret: bool):
-    """The jitted kernel for the current ``TRITON_INTERPRET`` mode (Triton reads it when jitting)."""
-    del interpret  # part of the cache key only
-    return triton.jit(_ce_rows_kernel)
-
-
-def _launch_config(vocab: int, interpret: bool) -> tuple[int, int]:
+def launch_config(vocab: int, tuning: Tuning, interpret: bool) -> tuple[int, int]:
+    """``(block, warps)`` of the row kernel for rows of ``vocab`` logits."""
     if interpret:
         # Small blocks keep the interpreter fast and make small test vocabularies span several blocks.
         return min(64, max(16, triton.next_power_of_2(vocab))), 1
-    # Measured on H200 at V=128256 (docs/perf-notes.md): 8192 x 16 warps was the best of five.
-    block = min(8192, max(128, triton.next_power_of_2(vocab)))
-    return block, 16 if block >= 8192 else (8 if block >= 2048 else 4)
+    block = min(tuning.row_block, max(128, triton.next_power_of_2(vocab)))
+    return block, tuning.warps_for(block)
 
 
 def ce_rows_triton(
@@ -220,10 +182,10 @@ def ce_rows_triton(
     vocab_total: int | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Same contract as ``torch_ce.ce_rows_torch``.
+    """Same contract as ``torch_ce.ce_rows_torch``; the launch follows ``opts.tuning``.
 
     With ``lse_in`` (saved by the forward) pass 1 is skipped and ``(None, lse_in)`` is returned.
-    With ``partials`` (``triton_logits.logits_with_partials``'s, for these logits) pass 1 is
+    With ``partials`` (``triton.logits.logits_with_partials``'s, for these logits) pass 1 is
     replaced by folding them, and ``(ce, lse)`` is returned as usual.
     ``grad`` may alias ``logits`` element for element (same dtype) or byte for byte with a
     narrower dtype (a view of the same storage with the same row start); see ``chunked``.
@@ -233,7 +195,7 @@ def ce_rows_triton(
     if rows == 0:
         return logits.new_zeros(0), logits.new_zeros(0)
     interpret = env.triton_interpret()
-    block, warps = _launch_config(vocab, interpret)
+    block, warps = launch_config(vocab, opts.tuning, interpret)
     compute_grad = grad is not None
     has_lse = lse_in is not None
     if partials is not None and (has_lse or col_offset or (vocab_total or vocab) != vocab):
@@ -260,7 +222,7 @@ def ce_rows_triton(
         and grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
     )
     dummy = logits  # unused pointer arguments still need a tensor
-    _compiled_kernel(interpret)[(rows,)](
+    jitted(_ce_rows_kernel)[(rows,)](
         logits,
         grad if compute_grad else dummy,
         labels,
@@ -291,10 +253,10 @@ def ce_rows_triton(
         COMPUTE_GRAD=compute_grad,
         GRAD_ALIASES_WIDER=grad_aliases_wider,
         # In place over wider logits, block k's stores overwrite blocks <= k: forwards only.
-        REVERSE_PASS2=REVERSE_PASS2 and not grad_aliases_wider,
+        REVERSE_PASS2=opts.tuning.reverse_pass2 and not grad_aliases_wider,
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
-        SOFTCAP_FN=compiled_softcap(interpret),
+        SOFTCAP_FN=jitted(softcap),
         num_warps=warps,
     )
     return (None, lse_in) if has_lse else (ce, lse)

@@ -1,11 +1,21 @@
-"""Chunking experiments behind the memory-budget option (docs/perf-notes.md), on one GPU.
+"""Chunking experiments behind the memory budget and the ``Tuning`` knobs (docs/perf-notes.md), on one GPU.
 
-For each shape: the three-GEMM floor, then the whole op (fwd+bwd, bf16) at several memory
-budgets with logits chunks stored in fp32 or in the input dtype, and a prototype of the
-vocabulary-chunked gradient pass (token chunks give grad_h; vocabulary chunks recompute the
-logits and give each grad_W block in one GEMM with K = N, so grad_W is never re-read).
+Default mode (``budget_sweep``), for each shape: the three-GEMM floor, then the whole op
+(fwd+bwd, bf16) at several memory budgets with logits chunks stored in fp32 or in the input
+dtype, and a prototype of the vocabulary-chunked gradient pass (token chunks give grad_h;
+vocabulary chunks recompute the logits and give each grad_W block in one GEMM with K = N, so
+grad_W is never re-read). The other modes time the whole op under ``Tuning`` settings,
+interleaved so that clock drift hits every setting alike:
 
-    python benchmarks/chunk_sweep.py --out sweep.json
+    python benchmarks/experiments/chunk_sweep.py --out benchmarks/experiments/results/chunk_sweep.json
+    python benchmarks/experiments/chunk_sweep.py --rows 1024,1536,1664,2048 --shapes 32768x4096x151936 \
+        --out ...                                                          # Tuning.chunk_rows
+    python benchmarks/experiments/chunk_sweep.py --reverse-ab --out ...   # Tuning.reverse_pass2
+    python benchmarks/experiments/chunk_sweep.py --launch-ab --out ...    # Tuning.row_block / row_warps
+    python benchmarks/experiments/chunk_sweep.py --fused-ab --out ...     # Tuning.fused_logits
+
+``--out`` sets only the mode's key (``budget_sweep``, ``row_count_sweep``, ``pass2_direction_ab``,
+``launch_ab``, ``fused_ab``) in the file, keeping the others.
 """
 
 from __future__ import annotations
@@ -13,27 +23,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
-from flce import SHAPES, fwd_bwd, make_inputs, measure_memory, time_floor
 
-from liger_patch.ops import fused_linear_ce
-from liger_patch.ops.chunked import run_chunks
-from liger_patch.ops.options import LossOptions
-from liger_patch.ops.triton_ce import ce_rows_triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from common import (  # noqa: E402
+    SHAPES,
+    MiB,
+    bench,
+    extra_memory_mib,
+    fwd_bwd,
+    make_inputs,
+    need_cuda,
+    time_floor,
+    update_json,
+)
 
-MiB = 1024 * 1024
-
-
-def bench(fn, rep: int) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median")
+from liger_patch import fused_linear_cross_entropy  # noqa: E402
+from liger_patch.ops.backends import pick  # noqa: E402
+from liger_patch.ops.chunked import run_chunks  # noqa: E402
+from liger_patch.ops.options import LossOptions  # noqa: E402
+from liger_patch.ops.tuning import Tuning  # noqa: E402
 
 
 def op_with(budget_mib: int, input_dtype_logits: bool):
     def fn(hidden, weight, labels):
-        return fused_linear_ce.fused_linear_cross_entropy(
+        return fused_linear_cross_entropy(
             hidden,
             weight,
             labels,
@@ -49,10 +65,12 @@ def vocab_pass_prototype(hidden, weight, labels, budget_mib: int):
     """grad_h from token chunks, then grad_W block by block from recomputed (N, Vc) logits."""
     n, _ = hidden.shape
     v = weight.shape[0]
-    opts = LossOptions()
+    opts = LossOptions(tuning=Tuning(two_pass=False))  # token chunks even below 512 rows
+    backend = pick("triton", hidden.device)
+    ce_rows_triton = backend.row_kernel
     coef = torch.full((n,), 1.0 / n, device="cuda")
     res = run_chunks(
-        ce_rows_triton,
+        backend,
         hidden,
         weight,
         None,
@@ -62,7 +80,6 @@ def vocab_pass_prototype(hidden, weight, labels, budget_mib: int):
         coef_ce=coef,
         coef_z=coef,
         need_hidden=True,
-        two_pass=False,
     )
     grad_w = torch.empty_like(weight)
     cols = max(128, (budget_mib * MiB // (2 * n)) // 128 * 128)
@@ -120,7 +137,7 @@ def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
             fn = op_with(b, not logits32)
             fwd_bwd(fn, hidden, weight, labels)
             ms = bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep)
-            mem = measure_memory(fn, hidden, weight, labels)
+            mem = extra_memory_mib(fn, hidden, weight, labels)
             key = f"{'fp32' if logits32 else 'input'}_logits_{b}MiB"
             row["op"][key] = {"ms": ms, "x_floor": ms / floor, "extra_mib": mem}
             print(name, key, f"{ms:.2f} ms {ms / floor:.3f}x {mem:.0f} MiB", flush=True)
@@ -142,46 +159,36 @@ def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
     return row
 
 
-def compare_settings(name: str, rep: int, module, attr: str, values: dict, rounds: int) -> dict:
-    """The whole op (default options) with ``module.attr`` set to each of ``values`` in turn,
-    rounds interleaved (A/B/A/B) so that clock drift hits every setting alike; the attribute is
-    put back afterwards. Returns per-setting medians over the rounds and every time."""
+def compare_settings(name: str, rep: int, tunings: dict[str, Tuning], rounds: int) -> dict:
+    """The whole op (default options) with each of ``tunings`` in turn, rounds interleaved
+    (A/B/A/B) so that clock drift hits every setting alike. Returns per-setting medians over the
+    rounds and every time."""
     n, h, v = SHAPES[name]
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
-    fn = fused_linear_ce.fused_linear_cross_entropy
-    real = getattr(module, attr)
-    times: dict[str, list[float]] = {label: [] for label in values}
-    try:
-        for _ in range(rounds):
-            for label, value in values.items():
-                setattr(module, attr, value)
-                fwd_bwd(fn, hidden, weight, labels)
-                times[label].append(bench(lambda: fwd_bwd(fn, hidden, weight, labels), rep))
-    finally:
-        setattr(module, attr, real)
+    times: dict[str, list[float]] = {label: [] for label in tunings}
+    for _ in range(rounds):
+        for label, tuning in tunings.items():
+
+            def fn(hidden, weight, labels, tuning=tuning):
+                return fused_linear_cross_entropy(hidden, weight, labels, tuning=tuning)
+
+            fwd_bwd(fn, hidden, weight, labels)
+            times[label].append(bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep))
     medians = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
-    print(name, attr, json.dumps(medians), flush=True)
+    print(name, json.dumps(medians), flush=True)
     return {"shape": name, "ms": medians, "all": times}
 
 
 def reverse_pass_ab(name: str, rep: int) -> dict:
-    """The row kernel's pass 2 backwards vs forwards, three rounds."""
-    from liger_patch.ops import triton_ce
-
-    return compare_settings(name, rep, triton_ce, "REVERSE_PASS2", {"backwards": True, "forwards": False}, 3)
+    """The row kernel's pass 2 backwards vs forwards (``Tuning.reverse_pass2``), three rounds."""
+    tunings = {"backwards": Tuning(reverse_pass2=True), "forwards": Tuning(reverse_pass2=False)}
+    return compare_settings(name, rep, tunings, 3)
 
 
 def rows_sweep(name: str, rows_list: list[int], rep: int) -> dict:
-    """The token-chunk row count forced, ignoring the budget: how the row count (GEMM wave
-    quantisation, grad_W passes) moves the time. One round."""
-    from liger_patch.ops import chunked
-
-    vocab_of_shape, real = SHAPES[name][2], chunked.chunk_rows
-
-    def forced(rows: int):
-        return lambda vocab, budget, eb: rows if vocab == vocab_of_shape else real(vocab, budget, eb)
-
-    res = compare_settings(name, rep, chunked, "chunk_rows", {str(r): forced(r) for r in rows_list}, 1)
+    """The token-chunk row count forced (``Tuning.chunk_rows``), ignoring the budget: how the row
+    count (GEMM wave quantisation, grad_W passes) moves the time. One round."""
+    res = compare_settings(name, rep, {str(r): Tuning(chunk_rows=r) for r in rows_list}, 1)
     return {"shape": name, "rows_ms": res["ms"]}
 
 
@@ -189,19 +196,16 @@ LAUNCHES = ((2048, 4), (4096, 8), (8192, 16), (16384, 16), (4096, 4))
 
 
 def launch_ab(name: str, rep: int) -> dict:
-    """The row kernel's (BLOCK_V, num_warps) forced to each of ``LAUNCHES``, two rounds."""
-    from liger_patch.ops import triton_ce
-
-    configs = {f"{b}x{w}": (lambda vocab, interpret, c=(b, w): c) for b, w in LAUNCHES}
-    return compare_settings(name, rep, triton_ce, "_launch_config", configs, 2)
+    """The row kernel's (block, warps) forced to each of ``LAUNCHES`` (``Tuning.row_block`` and
+    ``row_warps``), two rounds."""
+    tunings = {f"{b}x{w}": Tuning(row_block=b, row_warps=((0, w),)) for b, w in LAUNCHES}
+    return compare_settings(name, rep, tunings, 2)
 
 
 def fused_logits_ab(name: str, rep: int) -> dict:
     """The logits GEMM with log-sum-exp partials (Triton) vs cuBLAS plus the row kernel's first
-    pass, three rounds."""
-    from liger_patch.ops import triton_logits
-
-    return compare_settings(name, rep, triton_logits, "ENABLED", {"fused": True, "cublas": False}, 3)
+    pass (``Tuning.fused_logits``), three rounds."""
+    return compare_settings(name, rep, {"fused": Tuning(), "cublas": Tuning(fused_logits=False)}, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,24 +219,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-ab", action="store_true", help="only the row-kernel launch-config A/B")
     parser.add_argument("--fused-ab", action="store_true", help="only the fused-logits-GEMM vs cuBLAS A/B")
     args = parser.parse_args(argv)
+    if not need_cuda("benchmarks/experiments/chunk_sweep.py"):
+        return 2
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
+    if args.rows:
+        rows_list = [int(r) for r in args.rows.split(",")]
+        key, run = "row_count_sweep", lambda name: rows_sweep(name, rows_list, args.rep_ms)
+    elif args.fused_ab:
+        key, run = "fused_ab", lambda name: fused_logits_ab(name, args.rep_ms)
+    elif args.launch_ab:
+        key, run = "launch_ab", lambda name: launch_ab(name, args.rep_ms)
+    elif args.reverse_ab:
+        key, run = "pass2_direction_ab", lambda name: reverse_pass_ab(name, args.rep_ms)
+    else:
+        key, run = "budget_sweep", lambda name: sweep_shape(name, budgets, args.rep_ms)
     rows = []
     for name in shapes:
-        if args.rows:
-            rows.append(rows_sweep(name, [int(r) for r in args.rows.split(",")], args.rep_ms))
-        elif args.fused_ab:
-            rows.append(fused_logits_ab(name, args.rep_ms))
-        elif args.launch_ab:
-            rows.append(launch_ab(name, args.rep_ms))
-        elif args.reverse_ab:
-            rows.append(reverse_pass_ab(name, args.rep_ms))
-        else:
-            rows.append(sweep_shape(name, budgets, args.rep_ms))
+        rows.append(run(name))
         torch.cuda.empty_cache()
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        if args.out:  # after every shape, so that a cut-off run keeps what it measured
+            update_json(args.out, key, rows, device=torch.cuda.get_device_name())
     return 0
 
 

@@ -1,13 +1,15 @@
-"""Is the fused logits GEMM (``ops/triton_logits.py``) worth it? Its parts, side by side.
+"""Is the fused logits GEMM (``ops/triton/logits.py``) worth it? Its parts, side by side.
 
 At one or more (N, H, V), in token chunks of the size the default budget gives, times:
 cuBLAS's logits GEMM over all chunks; the fused Triton GEMM (logits plus log-sum-exp partials)
-for each tile configuration in ``CONFIGS``; and the row kernel with both passes, with its first
-pass only, and with the log-sum-exp given (what is left when the partials replace pass 1).
-The fused path pays off when ``fused + pass2 < cublas + full``. The whole op, A/B, is
-``benchmarks/chunk_sweep.py --fused-ab``.
+for each tile configuration in ``CONFIGS`` (passed as ``Tuning(logits_tiles=...)``); and the
+row kernel with both passes, with its first pass only, and with the log-sum-exp given (what is
+left when the partials replace pass 1). The fused path pays off when
+``fused + pass2 < cublas + full``. The whole op, A/B, is
+``benchmarks/experiments/chunk_sweep.py --fused-ab``.
 
-    python benchmarks/fused_logits_probe.py --out docs/results/fused_logits_probe.json
+    python benchmarks/experiments/fused_logits_probe.py \
+        --out benchmarks/experiments/results/fused_logits_probe.json
 """
 
 from __future__ import annotations
@@ -15,27 +17,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from liger_patch.ops import chunked, triton_logits
-from liger_patch.ops.options import LossOptions
-from liger_patch.ops.triton_ce import ce_rows_triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from common import bench, need_cuda, write_json  # noqa: E402
+
+from liger_patch.ops.budget import chunk_rows  # noqa: E402
+from liger_patch.ops.options import LossOptions  # noqa: E402
+from liger_patch.ops.triton import logits  # noqa: E402
+from liger_patch.ops.triton.rows import ce_rows_triton  # noqa: E402
+from liger_patch.ops.tuning import Tuning  # noqa: E402
 
 SHAPES = {"8192x4096x128256": (8192, 4096, 128256), "8192x2304x256000": (8192, 2304, 256000)}
 # (BM, BN, BK, stages, warps); 128x256x64 with 4 stages needs more shared memory than Hopper has.
 CONFIGS = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 5, 4), (256, 128, 64, 3, 8)]
 
 
-def bench(fn, rep: int) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median")
-
-
 def probe_shape(name: str, rep: int) -> dict:
     n, hd, v = SHAPES[name]
-    rows = chunked.chunk_rows(v, 512 << 20, 2)
+    rows = chunk_rows(v, 512 << 20, 2, Tuning())
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hd, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(v, hd, device="cuda", generator=gen) / hd**0.5).bfloat16()
@@ -55,29 +57,26 @@ def probe_shape(name: str, rep: int) -> dict:
     res["row_both_passes_ms"] = k * bench(lambda: ce_rows_triton(buf, labels, opts, **full), rep)
     res["row_pass2_only_ms"] = k * bench(lambda: ce_rows_triton(buf, labels, opts, lse_in=lse, **full), rep)
     res["fused"] = []
-    real = triton_logits._CUDA_CONFIG
-    try:
-        for config in CONFIGS:
-            triton_logits._CUDA_CONFIG = config
-            entry: dict = {"config": config}
-            try:
-                parts = triton_logits.logits_with_partials(chunks[0], w, None, opts, buf)
-                entry["logits_max_abs_err"] = float((buf.float() - (chunks[0] @ w.t()).float()).abs().max())
-                _, lse_fused = ce_rows_triton(buf, labels, opts, partials=parts)
-                entry["lse_max_abs_err"] = float((lse_fused - lse).abs().max())
-                entry["ms"] = bench(
-                    lambda: [triton_logits.logits_with_partials(c, w, None, opts, buf) for c in chunks], rep
-                )
-                entry["row_with_partials_ms"] = k * bench(
-                    lambda parts=parts: ce_rows_triton(buf, labels, opts, partials=parts, **full), rep
-                )
-                entry["fused_path_ms"] = entry["ms"] + entry["row_with_partials_ms"]
-            except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is a result
-                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(json.dumps(entry), flush=True)
-            res["fused"].append(entry)
-    finally:
-        triton_logits._CUDA_CONFIG = real
+    for config in CONFIGS:
+        tiled = LossOptions(tuning=Tuning(logits_tiles=config))
+        entry: dict = {"config": config}
+        try:
+            parts = logits.logits_with_partials(chunks[0], w, None, tiled, buf)
+            entry["logits_max_abs_err"] = float((buf.float() - (chunks[0] @ w.t()).float()).abs().max())
+            _, lse_fused = ce_rows_triton(buf, labels, tiled, partials=parts)
+            entry["lse_max_abs_err"] = float((lse_fused - lse).abs().max())
+            entry["ms"] = bench(
+                lambda tiled=tiled: [logits.logits_with_partials(c, w, None, tiled, buf) for c in chunks], rep
+            )
+            entry["row_with_partials_ms"] = k * bench(
+                lambda parts=parts, tiled=tiled: ce_rows_triton(buf, labels, tiled, partials=parts, **full),
+                rep,
+            )
+            entry["fused_path_ms"] = entry["ms"] + entry["row_with_partials_ms"]
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is a result
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(json.dumps(entry), flush=True)
+        res["fused"].append(entry)
     res["cublas_path_ms"] = res["cublas_ms"] + res["row_both_passes_ms"]
     print(json.dumps({key: val for key, val in res.items() if key != "fused"}), flush=True)
     return res
@@ -91,14 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=int, default=400)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/fused_logits_probe.py needs a CUDA GPU", file=sys.stderr)
+    if not need_cuda("benchmarks/experiments/fused_logits_probe.py"):
         return 2
     shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     out = {"device": torch.cuda.get_device_name(), "rows": [probe_shape(s, args.rep_ms) for s in shapes]}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)
     return 0
 
 

@@ -6,7 +6,11 @@ Times, at one (N, H, V), the logits GEMM ``h W^T`` through cuBLAS (bf16 and fp32
 through a Triton kernel that writes fp32 / bf16 / no logits plus (max, sum-exp) partials per
 (row, vocab tile), for a few tile configurations; checks the partials against torch.
 
-    python benchmarks/triton_gemm_probe.py --out probe.json
+    python benchmarks/experiments/triton_gemm_probe.py \
+        --out benchmarks/experiments/results/triton_gemm_probe.json
+
+Stand-alone: its kernel is the probe's own (pointer loads, one tile per program), not the
+library's ``ops/triton/logits.py``, which came later (docs/perf-notes.md items 8 and 19).
 """
 
 from __future__ import annotations
@@ -14,10 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from common import bench as _bench  # noqa: E402
+from common import need_cuda, write_json  # noqa: E402
 
 
 @triton.jit
@@ -84,12 +93,12 @@ def run_triton(h, w, write: bool, out_bf16: bool, config: tuple[int, int, int, i
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton.testing
-
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="8192,4096,128256")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if not need_cuda("benchmarks/experiments/triton_gemm_probe.py"):
+        return 2
     n, hd, v = (int(x) for x in args.shape.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hd, device="cuda", generator=gen).to(torch.bfloat16)
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * n * hd * v
 
     def bench(fn):
-        return triton.testing.do_bench(fn, rep=300, return_mode="median")
+        return _bench(fn, 300)
 
     res = {"shape": [n, hd, v], "device": torch.cuda.get_device_name(), "triton": triton.__version__}
     res["cublas_bf16_out_ms"] = bench(lambda: h @ w.t())
@@ -129,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     res["cublas_tflops"] = flops / res["cublas_bf16_out_ms"] / 1e9
     print(json.dumps({k: v for k, v in res.items() if k != "triton"}))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     return 0
 
 

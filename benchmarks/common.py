@@ -1,0 +1,179 @@
+"""What the benchmark scripts share: shapes, inputs, timing, memory measuring and result files.
+
+Used by the kept suite (``flce.py``, ``e2e.py``, ``distributed_gpu.py``) and by the probes in
+``experiments/`` (which put this folder on ``sys.path`` to import it). Importing it needs torch
+only; triton is imported where a function times something.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# The four headline shapes (N tokens, H hidden, V vocabulary) of docs/benchmarks.md.
+SHAPES = {
+    "8192x4096x128256": (8192, 4096, 128256),
+    "16384x4096x128256": (16384, 4096, 128256),
+    "8192x2304x256000": (8192, 2304, 256000),
+    "32768x4096x151936": (32768, 4096, 151936),
+}
+
+# Models the end-to-end benchmarks train (random init; keyword arguments of the transformers config).
+LLAMA_3_2_1B = dict(  # LlamaConfig
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+
+QWEN2_5_05B = dict(  # Qwen2Config
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
+
+
+def need_cuda(script: str) -> bool:
+    """True when a CUDA GPU is there; otherwise says so on stderr (the script then exits 2)."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{script} needs a CUDA GPU", file=sys.stderr)
+    return False
+
+
+def make_inputs(
+    n: int,
+    h: int,
+    v: int,
+    dtype: torch.dtype = torch.bfloat16,
+    ignore_frac: float = 0.0,
+    seed: int = 0,
+    logit_std: float = 1.0,
+    device: str = "cuda",
+):
+    """Random ``hidden`` (N, H) and ``weight`` (V, H), both requiring grad, and labels (N,).
+
+    ``hidden`` ~ N(0, 1) and ``weight`` ~ N(0, 1/H) scaled so that the logits have a standard
+    deviation of about ``logit_std`` (a trained model's are about 3: docs/benchmarks.md); a
+    fraction ``ignore_frac`` of the labels is set to -100. Never zeros: some kernels' speed
+    depends on the values.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, device=device, dtype=dtype, generator=gen)
+    scale = math.sqrt(h) / logit_std  # exactly sqrt(H) at the default std of 1
+    weight = (torch.randn(v, h, device=device, dtype=dtype, generator=gen) / scale).to(dtype)
+    labels = torch.randint(0, v, (n,), device=device, generator=gen)
+    if ignore_frac:
+        drop = torch.rand(n, device=device, generator=gen) < ignore_frac
+        labels[drop] = -100
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def bench(fn, rep_ms: int) -> float:
+    """Median ms of ``fn()`` over ``rep_ms`` of repetitions (``triton.testing.do_bench``, which
+    warms up and flushes L2 between repetitions)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median")
+
+
+def fwd_bwd(fn, hidden, weight, labels):
+    """One forward and backward of ``fn(hidden, weight, labels)`` from cleared gradients."""
+    hidden.grad = weight.grad = None
+    loss = fn(hidden, weight, labels)
+    loss.backward()
+    return loss
+
+
+def floor_fn(hidden, weight, grad_logits):
+    """The three GEMMs an exact method cannot avoid."""
+    logits = hidden @ weight.t()
+    grad_h = grad_logits @ weight
+    grad_w = grad_logits.t() @ hidden
+    return logits, grad_h, grad_w
+
+
+def time_floor(hidden, weight, rep_ms: int) -> float:
+    """Median ms of the three GEMMs on random gradient logits (freed afterwards)."""
+    grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device="cuda", dtype=hidden.dtype) * 1e-4
+    ms = bench(functools.partial(floor_fn, hidden, weight, grad_logits), rep_ms)
+    torch.cuda.empty_cache()
+    return ms
+
+
+class PeakMemory:
+    """CUDA memory over a ``with`` block: ``start`` (allocated on entry), ``peak`` and
+    ``peak_reserved`` (the allocator's maxima inside the block), in bytes. Synchronises on
+    entry and exit; empties no cache (callers that want that do it before)."""
+
+    def __enter__(self) -> PeakMemory:
+        torch.cuda.synchronize()
+        self.start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+        self.peak_reserved = torch.cuda.max_memory_reserved()
+        self.end = torch.cuda.memory_allocated()
+
+
+def extra_memory_mib(fn, hidden, weight, labels) -> float:
+    """Peak bytes allocated during fwd+bwd beyond the inputs and their gradients, in MiB."""
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with PeakMemory() as mem:
+        fwd_bwd(fn, hidden, weight, labels)
+    grads = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+    hidden.grad = weight.grad = None
+    return (mem.peak - mem.start - grads) / MiB
+
+
+def environment() -> dict:
+    """Device and versions, for the head of a result file."""
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: str | Path, data: object, indent: int = 1) -> None:
+    """Write ``data`` as JSON to ``path``, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=indent))
+
+
+def update_json(path: str | Path, key: str, value: object, **head: object) -> None:
+    """Set ``key`` in the JSON object at ``path`` (created with ``head`` when missing), keeping
+    its other keys: one result file per probe, one key per mode of it."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else dict(head)
+    data[key] = value
+    write_json(path, data)

@@ -1,0 +1,53 @@
+"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding."""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+from liger_patch import env
+
+
+@functools.lru_cache(maxsize=16)
+def _jit(fn, interpret: bool):
+    del interpret  # part of the cache key only: Triton reads TRITON_INTERPRET when jitting
+    return triton.jit(fn)
+
+
+def jitted(fn):
+    """``fn`` jitted for the ``TRITON_INTERPRET`` mode of this moment (read on every call), so one
+    process can run a kernel on CUDA and, under the interpreter, on CPU tensors."""
+    return _jit(fn, env.triton_interpret())
+
+
+def softcap(x, cap):
+    """``cap * tanh(x / cap)`` and its derivative ``1 - tanh(x / cap)^2``, to fp32 accuracy.
+
+    Both come from ``e = exp(-2|u|)``, u = x / cap: tanh = (1 - e) / (1 + e), and below
+    |u| = 1/4, where 1 - e cancels, the odd Taylor series to u^11 (next term < 3e-10 relative);
+    1 - tanh^2 = 4e / (1 + e)^2, which does not cancel near |tanh| = 1. (``2 sigmoid(2u) - 1``,
+    used before, was up to 2e-3 off relative to tanh for small u.) Kernels take it as the
+    constexpr argument ``SOFTCAP_FN=jitted(softcap)``.
+    """
+    u = x / cap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 + u2 * (
+        -0.05396825396825397 + u2 * (0.021869488536155203 - u2 * 0.008863235529902197))))
+    r = 1.0 / (1.0 + e)  # one division for both results
+    t = tl.where(a < 0.25, a + a * series, (1.0 - e) * r)
+    t = tl.where(u < 0.0, -t, t)
+    return cap * t, 4.0 * e * r * r
+
+
+def round_bf16_nearest(x):
+    """fp32 values rounded to the nearest bf16 (ties to even), still as fp32. Triton's interpreter
+    narrows fp32 to bf16 by truncation (a bias toward zero); the GPU rounds to nearest even.
+    Rounding the bits first makes the interpreter's truncation exact. Passed as the constexpr
+    ``ROUND_FN=jitted(round_bf16_nearest)`` to kernels that store bf16 under the interpreter."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
