@@ -6,7 +6,6 @@ Importing torch and pytest does not import Triton, so setting it here is early e
 op package itself is imported lazily below and by the test modules.
 """
 
-import importlib
 import os
 import zlib
 

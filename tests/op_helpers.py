@@ -10,9 +10,9 @@ import dataclasses
 import math
 
 import torch
-from liger_patch.ops.reference import reference_flce
 
 import liger_patch as lp
+from liger_patch.ops.reference import reference_flce
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

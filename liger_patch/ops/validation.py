@@ -136,10 +136,3 @@ def check_values(
         f"ignore_index={ignore_index}"
     )
 
-
-# TEMPORARY (removed when the patching split lands): names patching/apply.py imported.
-from liger_patch.ops.options import option_float  # noqa: E402, F401
-
-
-def check_options(opts, reduction, backend, num_items_in_batch) -> None:  # TEMPORARY
-    check_num_items(num_items_in_batch, reduction)

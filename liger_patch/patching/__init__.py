@@ -8,13 +8,16 @@ from liger_patch.patching.registry import (
     register_model,
     supported_models,
 )
+from liger_patch.patching.state import PatchState, patch_state
 
 __all__ = [
     "ModelSpec",
     "MoeAuxLoss",
+    "PatchState",
     "UnsupportedModelError",
     "apply_liger_to",
     "liger_patched",
+    "patch_state",
     "register_model",
     "revert_liger",
     "supported_models",

@@ -3,7 +3,7 @@
 Patching an *instance* sets ``model.forward`` on that instance only (its class and every other
 model are untouched). Patching a *class* (or a ``model_type`` string, which names a class)
 replaces ``cls.forward``, so every instance made later is patched. Either way the object gets a
-:class:`~liger_patch.patching.forward.PatchState` recording the options and what was there
+:class:`~liger_patch.patching.state.PatchState` recording the options and what was there
 before, which is how a second apply stays a no-op wrapper-wise and how ``revert_liger``
 restores the exact original. A patched instance also gets its own ``__reduce_ex__``, so that
 ``torch.save`` / ``pickle`` / ``copy`` bring it back patched (see the section below).
@@ -12,48 +12,35 @@ restores the exact original. A patched instance also gets its own ``__reduce_ex_
 from __future__ import annotations
 
 import contextlib
-import types
+import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from liger_patch.ops.budget import parse_memory_budget
-from liger_patch.ops.options import LossOptions
-from liger_patch.ops.validation import check_options, option_float
-from liger_patch.patching.forward import (
-    STATE_ATTR,
-    PatchState,
-    fusable_head,
-    is_liger_forward,
-    make_liger_forward,
-    missing_path_message,
-    unfusable_head_message,
+from liger_patch.ops.options import LossOptions, options_docstring, options_parameters
+from liger_patch.patching.forward import FORWARD_SETS, is_liger_forward, make_liger_forward, set_by_forward
+from liger_patch.patching.head import fusable_head, unfusable_head_message
+from liger_patch.patching.instance import (
+    _rebuild_patched,  # noqa: F401 - pickles made before the split name it here
+    drop_helpers,
+    forget_stale_patch,
+    install_instance_forward,
 )
 from liger_patch.patching.registry import (
     ModelSpec,
     UnsupportedModelError,
+    missing_path_message,
     spec_for,
     spec_for_model_type,
     supported_models,
 )
+from liger_patch.patching.state import STATE_ATTR, PatchState, base_model_of, own_state
 
-__all__ = ["apply_liger_to", "base_model_of", "liger_patched", "revert_liger"]
+__all__ = ["apply_liger_to", "base_model_of", "checked_options", "liger_patched", "revert_liger"]
 
 Target = TypeVar("Target", nn.Module, type, str)
-
-
-def base_model_of(model: Any) -> Any:
-    """The causal-LM module inside wrappers: a PEFT model's base model, a compiled module's original."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
-            model = model._orig_mod
-        elif callable(getattr(model, "get_base_model", None)):  # peft.PeftModel
-            model = model.get_base_model()
-    return model
 
 
 def _check_target(target: Any, caller: str) -> None:
@@ -152,140 +139,50 @@ def _spec_mismatch(model: nn.Module, spec: ModelSpec) -> str | None:
     return None
 
 
-_OPTION_NAMES = ("z_loss_scale", "label_smoothing", "memory_budget")
+def checked_options(where: str, options: dict[str, Any]) -> LossOptions:
+    """The user's loss options for a patch, validated once: any ``LossOptions`` field except the
+    ones the patched forward sets on every call (``FORWARD_SETS``), with the op's own rules."""
+    set_per_call = [name for name in FORWARD_SETS if name in options]
+    if set_per_call:
+        raise TypeError(
+            f"{where} does not take {set_per_call}: the patched forward sets them on every call: "
+            f"{set_by_forward(set_per_call)}"
+        )
+    return LossOptions.from_kwargs(where=where, **options)
 
 
-def _validate_options(z_loss_scale: Any, label_smoothing: Any, memory_budget: Any) -> None:
-    """Refuse at apply time what the fused loss would refuse on every forward: the op's own rules."""
-    options = LossOptions(
-        z_loss_scale=option_float("z_loss_scale", z_loss_scale),
-        label_smoothing=option_float("label_smoothing", label_smoothing),
+def options_signature(
+    head: list[inspect.Parameter], return_annotation: Any = inspect.Signature.empty
+) -> inspect.Signature:
+    """``head`` + ``strict`` + one keyword-only parameter per option a patch takes: the
+    ``__signature__`` of an entry point written as ``(..., *, strict=True, **options)``."""
+    strict = inspect.Parameter("strict", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool")
+    parameters = [*head, strict, *options_parameters(exclude=FORWARD_SETS)]
+    return inspect.Signature(parameters, return_annotation=return_annotation)
+
+
+def with_options_doc(doc: str | None) -> str | None:
+    """``doc`` (a docstring indented by 4) followed by the options a patch takes, one line each,
+    and the options the patched forward sets itself."""
+    if doc is None:  # python -OO
+        return None
+    return (
+        f"{doc.rstrip()}\n\n    Options:\n\n{options_docstring(exclude=FORWARD_SETS)}\n\n"
+        f"    The patched forward sets {', '.join(FORWARD_SETS)} itself, on every call.\n"
     )
-    check_options(options, "mean", "auto", None)
-    if memory_budget is not None:
-        parse_memory_budget(memory_budget)
 
 
-def _set_options(state: PatchState, options: dict[str, Any]) -> None:
-    for name in _OPTION_NAMES:
-        setattr(state, name, options[name])
-
-
-def _own_state(obj: Any) -> PatchState | None:
-    """The PatchState set on ``obj`` itself (not inherited from a patched class)."""
-    return vars(obj).get(STATE_ATTR)
-
-
-# --------------------------------------------------------------------------------------------
-# Instance patches that survive pickling (torch.save / torch.load, pickle, copy)
-#
-# A bound method pickles as ``getattr(instance, "forward")``, evaluated on the instance before
-# its ``__dict__`` is restored: that is the class's unpatched forward. So a patched instance
-# gets its own ``__reduce_ex__``: the state it pickles leaves out the two instance attributes
-# (the forward and that reducer), and the rebuilt instance re-installs them from its PatchState
-# right after its state is set. The options, and the fused path, survive the round trip.
-# --------------------------------------------------------------------------------------------
-
-_REDUCER_ATTR = "__reduce_ex__"
-_REPLICATE_ATTR = "_replicate_for_data_parallel"
-_HELPER_ATTRS = (_REDUCER_ATTR, _REPLICATE_ATTR)
-"""Instance methods a patch adds beside the forward, each bound to the instance."""
-
-
-def _reduce_patched_instance(self: nn.Module, protocol: int) -> Any:
-    """The class's own reduction, minus the patch's instance attributes, rebuilt by ``_rebuild_patched``."""
-    reduced = type(self).__reduce_ex__(self, protocol)
-    if not (isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict)):
-        return reduced  # a class with its own pickling: left as it is (apply_liger_to re-patches)
-    state = {k: v for k, v in reduced[2].items() if k != "forward" and k not in _HELPER_ATTRS}
-    return (_rebuild_patched, (reduced[0], reduced[1]), state, *reduced[3:])
-
-
-def _rebuild_patched(constructor: Callable, args: tuple) -> Any:
-    """Unpickling step 1: the bare instance, with a one-shot ``__setstate__`` that re-patches it."""
-    obj = constructor(*args)
-    vars(obj)["__setstate__"] = types.MethodType(_setstate_and_repatch, obj)
-    return obj
-
-
-def _setstate_and_repatch(self: nn.Module, state: dict[str, Any]) -> None:
-    """Unpickling step 2: the class's ``__setstate__``, then the forward from the PatchState."""
-    del vars(self)["__setstate__"]
-    class_setstate = getattr(type(self), "__setstate__", None)
-    if class_setstate is not None:
-        class_setstate(self, state)
-    else:
-        vars(self).update(state)
-    patch = _own_state(self)
-    if patch is not None:
-        _install_instance_forward(self, patch)
-
-
-def _install_instance_forward(obj: nn.Module, state: PatchState) -> None:
-    """Give an instance the generic forward (unless its class is patched), its reducer and its
-    DataParallel replicator."""
-    cls_forward = type(obj).forward
-    if is_liger_forward(cls_forward):
-        return  # the class patch serves this instance; only its options are its own
-    fallback = None
-    if state.had_own_forward:  # e.g. accelerate's autocast wrapper, which must keep running
-        previous = state.previous_forward
-        fallback = lambda self, *args, **kwargs: previous(*args, **kwargs)  # noqa: ARG005, E731
-    obj.forward = types.MethodType(make_liger_forward(cls_forward, fallback), obj)
-    setattr(obj, _REDUCER_ATTR, types.MethodType(_reduce_patched_instance, obj))
-    setattr(obj, _REPLICATE_ATTR, types.MethodType(_replicate_patched_instance, obj))
-
-
-def _replicate_patched_instance(self: nn.Module) -> nn.Module:
-    """``nn.DataParallel``'s replica of a patched instance, its methods bound to the replica.
-
-    A replica starts as a copy of the instance's ``__dict__``, so the patched forward would still
-    be bound to the original module (on the first GPU) and every replica would run it there.
-    """
-    replica = type(self)._replicate_for_data_parallel(self)
-    _install_instance_forward(replica, _own_state(replica))
-    return replica
-
-
-def _drop_helpers(obj: Any) -> None:
-    """Remove the instance methods a patch added beside the forward (``_HELPER_ATTRS``)."""
-    for name in _HELPER_ATTRS:
-        vars(obj).pop(name, None)
-
-
-def _is_stale(obj: Any) -> bool:
-    """True for an instance whose PatchState outlived its forward, so applying must install again.
-
-    That is a model pickled by an earlier liger_patch (its instance forward came back as the
-    class's own, bound again), or an instance given options under a class patch that was then
-    reverted. Any other own forward (a wrapper someone put over ours) is left alone.
-    """
-    if isinstance(obj, type) or _own_state(obj) is None or is_liger_forward(obj.forward):
-        return False
-    own = vars(obj).get("forward")
-    return own is None or getattr(own, "__func__", None) is type(obj).forward
-
-
-def _forget_stale_patch(obj: Any) -> None:
-    """Drop a stale PatchState (and the class forward bound again in its place), see ``_is_stale``."""
-    if not _is_stale(obj):
-        return
-    delattr(obj, STATE_ATTR)
-    vars(obj).pop("forward", None)
-    _drop_helpers(obj)
-
-
-def _install(obj: Any, spec: ModelSpec, options: dict[str, Any]) -> None:
+def _install(obj: Any, spec: ModelSpec, options: LossOptions) -> None:
     """Give ``obj`` (a class or an instance) the generic forward and a PatchState; idempotent."""
-    _forget_stale_patch(obj)
-    state = _own_state(obj)
+    forget_stale_patch(obj)
+    state = own_state(obj)
     if state is not None:  # already patched here: only the options change, the wrapper is not stacked
-        state.spec = spec
-        _set_options(state, options)
+        state.spec, state.options = spec, options
         return
     had_own_forward = "forward" in vars(obj)
-    state = PatchState(spec, had_own_forward=had_own_forward, previous_forward=vars(obj).get("forward"))
-    _set_options(state, options)
+    state = PatchState(
+        spec, options, had_own_forward=had_own_forward, previous_forward=vars(obj).get("forward")
+    )
     if isinstance(obj, type):
         if not is_liger_forward(obj.forward):  # a subclass of a patched class inherits the wrapper
             obj.forward = make_liger_forward(obj.forward)
@@ -300,11 +197,11 @@ def _install(obj: Any, spec: ModelSpec, options: dict[str, Any]) -> None:
                 UserWarning,
                 stacklevel=3,
             )
-        _install_instance_forward(obj, state)
+        install_instance_forward(obj, state)
     setattr(obj, STATE_ATTR, state)
 
 
-def _patch_class(cls: type, strict: bool, options: dict[str, Any]) -> None:
+def _patch_class(cls: type, strict: bool, options: LossOptions) -> None:
     spec = spec_for(cls)
     if spec is None:
         _unsupported(f"class {cls.__module__}.{cls.__qualname__}", _how_to_register(cls), strict)
@@ -312,7 +209,7 @@ def _patch_class(cls: type, strict: bool, options: dict[str, Any]) -> None:
     _install(cls, spec, options)
 
 
-def _patch_instance(model: nn.Module, strict: bool, options: dict[str, Any]) -> None:
+def _patch_instance(model: nn.Module, strict: bool, options: LossOptions) -> None:
     cls = type(model)
     spec = spec_for(cls)
     if spec is None:
@@ -324,20 +221,28 @@ def _patch_instance(model: nn.Module, strict: bool, options: dict[str, Any]) -> 
         return
     _install(model, spec, options)
     head, reason = fusable_head(model, spec)
-    state = _own_state(model)
+    state = own_state(model)
     if head is None and state is not None and not state.warned_unfusable_head:
         state.warned_unfusable_head = True
         warnings.warn(unfusable_head_message(model, reason), UserWarning, stacklevel=3)
 
 
-def apply_liger_to(
-    target: Target,
-    *,
-    z_loss_scale: float = 0.0,
-    label_smoothing: float = 0.0,
-    memory_budget: int | str | None = None,
-    strict: bool = True,
-) -> Target:
+def _model_type_class(model_type: str) -> tuple[ModelSpec | None, type | None]:
+    """The row registered under ``model_type`` and the class it names in the installed
+    transformers (``None`` for either that is missing)."""
+    spec = spec_for_model_type(model_type)
+    return spec, spec.resolve_class() if spec is not None else None
+
+
+def _patch_target(target: Any) -> Any:
+    """The object a patch of ``target`` lives on: the class a model_type names (``None`` if none),
+    a class itself, or an instance's base model (through PEFT / torch.compile wrappers)."""
+    if isinstance(target, str):
+        return _model_type_class(target)[1]
+    return target if isinstance(target, type) else base_model_of(target)
+
+
+def apply_liger_to(target: Target, *, strict: bool = True, **options: Any) -> Target:
     """Swap a causal LM's head + cross-entropy for the fused linear cross-entropy.
 
     ``target`` may be a model instance (also PEFT-wrapped or ``torch.compile``-d: the base model
@@ -345,47 +250,48 @@ def apply_liger_to(
     ``model_type`` string such as ``"llama"`` (its transformers class is patched). Applying again
     only updates the options. Returns ``target`` unchanged in identity.
 
-    ``z_loss_scale`` adds ``z_loss_scale * logsumexp^2`` per token (reported as
-    ``outputs.z_loss``); ``label_smoothing`` smooths the targets. Both act in the fused path
-    only. ``memory_budget`` is the fused loss's working-memory budget (bytes, ``"256MiB"``,
-    ``"default"`` or ``"lean"``; ``None`` reads ``LIGER_MEMORY_BUDGET`` on every call, else 512 MiB;
-    see :func:`liger_patch.fused_linear_cross_entropy`). With ``strict=True`` an architecture
-    without a registry row raises :class:`UnsupportedModelError`; with ``strict=False`` it warns
-    and leaves the model as is.
+    With ``strict=True`` an architecture without a registry row raises
+    :class:`UnsupportedModelError`; with ``strict=False`` it warns and leaves the model as is.
+
+    The loss options act in the fused path only and are checked here, with the fused loss's own
+    rules (:func:`liger_patch.fused_linear_cross_entropy`). ``z_loss_scale > 0`` reports the
+    z-loss term as ``outputs.z_loss``; ``memory_budget=None`` reads ``LIGER_MEMORY_BUDGET`` on
+    every call.
     """
     _check_target(target, "apply_liger_to")
-    _validate_options(z_loss_scale, label_smoothing, memory_budget)
-    options = dict(z_loss_scale=z_loss_scale, label_smoothing=label_smoothing, memory_budget=memory_budget)
+    loss_options = checked_options("apply_liger_to", options)
+    obj = _patch_target(target)
     if isinstance(target, str):
-        spec = spec_for_model_type(target)
-        cls = spec.resolve_class() if spec is not None else None
-        if cls is None:
-            import transformers
-
-            hint = (
-                f"the installed transformers {transformers.__version__} has no {spec.class_name}"
-                if spec is not None
-                else "Register it with liger_patch.register_model('<model_type>', liger_patch.ModelSpec(...))"
-            )
-            _unsupported(f"model_type {target!r}", hint, strict)
+        if obj is None:
+            _unsupported(f"model_type {target!r}", _model_type_hint(target), strict)
             return target
-        _install(cls, spec, options)
+        _install(obj, _model_type_class(target)[0], loss_options)
     elif isinstance(target, type):
-        _patch_class(target, strict, options)
+        _patch_class(obj, strict, loss_options)
     else:
-        _patch_instance(base_model_of(target), strict, options)
+        _patch_instance(obj, strict, loss_options)
     return target
+
+
+def _model_type_hint(model_type: str) -> str:
+    """Why ``model_type`` names no class, and what to do."""
+    spec = spec_for_model_type(model_type)
+    if spec is None:
+        return "Register it with liger_patch.register_model('<model_type>', liger_patch.ModelSpec(...))"
+    import transformers
+
+    return f"the installed transformers {transformers.__version__} has no {spec.class_name}"
 
 
 def _uninstall(obj: Any) -> None:
     """Remove ``obj``'s own patch: its PatchState and the forward (and reducer) it installed."""
-    _forget_stale_patch(obj)
-    state = _own_state(obj)
+    forget_stale_patch(obj)
+    state = own_state(obj)
     if state is None:
         return
     delattr(obj, STATE_ATTR)
     if not isinstance(obj, type):
-        _drop_helpers(obj)
+        drop_helpers(obj)
     if is_liger_forward(vars(obj).get("forward")):
         if state.had_own_forward:
             obj.forward = state.previous_forward
@@ -400,13 +306,9 @@ def revert_liger(target: Target) -> Target:
     is patched leaves the class patch in force (revert the class, or its model_type, for that).
     """
     _check_target(target, "revert_liger")
-    if isinstance(target, str):
-        spec = spec_for_model_type(target)
-        cls = spec.resolve_class() if spec is not None else None
-        if cls is not None:
-            _uninstall(cls)
+    obj = _patch_target(target)
+    if obj is None:
         return target
-    obj = target if isinstance(target, type) else base_model_of(target)
     _uninstall(obj)
     if not isinstance(obj, type) and is_liger_forward(type(obj).forward):
         warnings.warn(
@@ -422,22 +324,15 @@ def revert_liger(target: Target) -> Target:
 def liger_patched(target: Target, **options: Any) -> Iterator[Target]:
     """Scoped ``apply_liger_to``: patched inside the ``with`` block, as before after it.
 
-    If ``target`` was already patched on entry, its previous options come back on exit and it
-    stays patched.
+    Takes ``apply_liger_to``'s ``strict`` and options. If ``target`` was already patched on
+    entry, its previous row and options come back on exit and it stays patched.
     """
     _check_target(target, "liger_patched")
-    obj: Any = target
-    if isinstance(target, str):
-        spec = spec_for_model_type(target)
-        obj = spec.resolve_class() if spec is not None else None
-    elif not isinstance(target, type):
-        obj = base_model_of(target)
+    obj = _patch_target(target)
     if obj is not None:
-        _forget_stale_patch(obj)  # a dead PatchState is no patch to come back to
-    before = _own_state(obj) if obj is not None else None
-    saved = None
-    if before is not None:
-        saved = before.spec, {name: getattr(before, name) for name in _OPTION_NAMES}
+        forget_stale_patch(obj)  # a dead PatchState is no patch to come back to
+    before = own_state(obj) if obj is not None else None
+    saved = (before.spec, before.options) if before is not None else None
     apply_liger_to(target, **options)
     try:
         yield target
@@ -445,5 +340,11 @@ def liger_patched(target: Target, **options: Any) -> Iterator[Target]:
         if saved is None:
             revert_liger(target)
         else:
-            before.spec = saved[0]
-            _set_options(before, saved[1])
+            before.spec, before.options = saved
+
+
+_TARGET = inspect.Parameter("target", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Target")
+apply_liger_to.__signature__ = options_signature([_TARGET], return_annotation="Target")
+liger_patched.__signature__ = options_signature([_TARGET], return_annotation="Iterator[Target]")
+apply_liger_to.__doc__ = with_options_doc(apply_liger_to.__doc__)
+liger_patched.__doc__ = with_options_doc(liger_patched.__doc__)

@@ -12,12 +12,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 __all__ = [
     "ModelSpec",
     "MoeAuxLoss",
     "UnsupportedModelError",
+    "get_submodule_path",
+    "missing_path_message",
     "register_model",
     "spec_for",
     "spec_for_model_type",
@@ -76,23 +79,32 @@ class ModelSpec:
 
     def logit_scale(self, config: Any) -> float | None:
         """The multiplier applied to the logits for this config, or ``None`` when there is none."""
-        scale = None
-        if self.logit_scale_attr is not None:
-            value = getattr(config, self.logit_scale_attr, None)
-            if value is not None:
-                scale = float(value)
-        if self.logit_divisor_attr is not None:
-            divisor = getattr(config, self.logit_divisor_attr, None)
-            if divisor is not None:
-                scale = (1.0 if scale is None else scale) / float(divisor)
+        scale = _config_value(config, self.logit_scale_attr)
+        scale = None if scale is None else float(scale)
+        divisor = _config_value(config, self.logit_divisor_attr)
+        if divisor is not None:
+            scale = (1.0 if scale is None else scale) / float(divisor)
         return scale
 
     def softcap(self, config: Any) -> float | None:
         """The final-logit softcap for this config, or ``None``."""
-        if self.softcap_attr is None:
-            return None
-        value = getattr(config, self.softcap_attr, None)
+        value = _config_value(config, self.softcap_attr)
         return None if value is None else float(value)
+
+    def transform_logits(self, logits: torch.Tensor, config: Any) -> torch.Tensor:
+        """This row's head math on ``head(hidden)``, in the original forwards' op order: divide
+        by the divisor, multiply by the scale, then softcap as ``tanh(x / c) * c`` (what the
+        fused loss computes in its kernel, for ``LIGER_RETURN_LOGITS=1``)."""
+        divisor = _config_value(config, self.logit_divisor_attr)
+        if divisor is not None:
+            logits = logits / divisor
+        scale = _config_value(config, self.logit_scale_attr)
+        if scale is not None:
+            logits = logits * scale
+        softcap = self.softcap(config)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
 
     def resolve_class(self) -> type[nn.Module] | None:
         """The class named by this row in the installed transformers, or ``None`` if it has none."""
@@ -102,6 +114,41 @@ class ModelSpec:
             return getattr(transformers, self.class_name)
         except (AttributeError, ImportError, RuntimeError):
             return None
+
+
+def _config_value(config: Any, attr: str | None) -> Any:
+    """``config.<attr>`` as the original forward reads it; ``None`` without that attribute or name."""
+    return None if attr is None else getattr(config, attr, None)
+
+
+def missing_path_message(model: nn.Module, path: str) -> str | None:
+    """Why ``model.<path>`` is not a submodule, naming the child modules that are there; else ``None``.
+
+    Registry rows name the body and head by attribute path; a wrong path should be reported as
+    such (with what the model does have), not as an AttributeError from inside a forward.
+    """
+    obj: Any = model
+    names = path.split(".")
+    for depth, name in enumerate(names):
+        child = getattr(obj, name, None)
+        if not isinstance(child, nn.Module):
+            owner = ".".join([type(model).__name__, *names[:depth]])
+            children = ", ".join(n for n, _ in obj.named_children()) or "none"
+            return f"{owner} has no submodule {name!r} (path {path!r}); its child modules are: {children}"
+        obj = child
+    return None
+
+
+def get_submodule_path(model: nn.Module, path: str) -> Any:
+    """``model.<path>`` for a dotted attribute path such as ``"model"`` or ``"transformer.h"``."""
+    obj: Any = model
+    try:
+        for name in path.split("."):
+            obj = getattr(obj, name)
+    except AttributeError as error:
+        message = missing_path_message(model, path) or str(error)
+        raise AttributeError(f"liger_patch: {message}; fix the ModelSpec registered for it") from error
+    return obj
 
 
 def _row(model_type: str, class_name: str, **fields: Any) -> ModelSpec:

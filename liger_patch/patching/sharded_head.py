@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.ops import fused_linear_cross_entropy
+from liger_patch.ops.fused_linear_ce import fused_loss
+from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
 
 __all__ = [
     "ShardedHeadError",
@@ -147,19 +148,19 @@ def _check_full_weight(head: nn.Module) -> None:
 
 
 def _call_head_as_fused_loss(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, options: dict[str, Any]
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any
 ) -> Any:
     """``head(hidden)`` with the fused loss as the head's forward for this one call.
 
     The call has the original's exact form (one positional tensor), so every hook sees what it
     sees for ``lm_head(hidden)``: FSDP2 casts ``hidden`` to its ``param_dtype``, a hook that
-    rewrites the inputs keeps working, and the labels and options (a float
+    rewrites the inputs keeps working, and the labels and ``loss_kwargs`` (the options, a float
     ``num_items_in_batch`` tensor included) reach the op untouched, through the closure.
     """
 
     def fused_loss_forward(hidden_in: torch.Tensor) -> Any:
         _check_full_weight(head)
-        return fused_linear_cross_entropy(hidden_in, head.weight, labels, head.bias, **options)
+        return fused_loss(hidden_in, head.weight, labels, head.bias, **loss_kwargs)
 
     own = vars(head).get("forward")
     head.forward = fused_loss_forward
@@ -173,15 +174,23 @@ def _call_head_as_fused_loss(
 
 
 def fused_head_loss(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options: Any
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    options: LossOptions = DEFAULT_OPTIONS,
+    num_items_in_batch: Any = None,
+    **overrides: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``fused_linear_cross_entropy(hidden, head.weight, labels, head.bias, **options)``, sharding-aware.
+    """``fused_loss(hidden, head.weight, labels, head.bias, options=options, ...)``, sharding-aware.
 
-    For a head whose weight FSDP2 or DeepSpeed ZeRO-3 manages (:func:`head_weight_is_managed`)
-    the loss is computed inside ``head``'s own call, so the weight is gathered before it, the
-    gradient is reduced after it, and the backward re-gathers it, exactly as for ``head(hidden)``.
-    Any other head calls the op directly.
+    ``overrides`` are options set for this call only (the op applies them to ``options``). For a
+    head whose weight FSDP2 or DeepSpeed ZeRO-3 manages (:func:`head_weight_is_managed`) the loss
+    is computed inside ``head``'s own call, so the weight is gathered before it, the gradient is
+    reduced after it, and the backward re-gathers it, exactly as for ``head(hidden)``. Any other
+    head calls the op directly.
     """
+    loss_kwargs = dict(options=options, num_items_in_batch=num_items_in_batch, **overrides)
     if not head_weight_is_managed(head):
-        return fused_linear_cross_entropy(hidden, head.weight, labels, head.bias, **options)
-    return _call_head_as_fused_loss(head, hidden, labels, options)
+        return fused_loss(hidden, head.weight, labels, head.bias, **loss_kwargs)
+    return _call_head_as_fused_loss(head, hidden, labels, **loss_kwargs)

@@ -14,7 +14,8 @@ import torch.nn as nn
 import transformers
 
 import liger_patch as lp
-from liger_patch.patching.forward import STATE_ATTR, is_liger_forward
+from liger_patch.patching.forward import is_liger_forward
+from liger_patch.patching.state import STATE_ATTR
 from tests.patching_helpers import class_patch, make_batch, tiny_model
 
 
@@ -32,7 +33,7 @@ def test_apply_is_idempotent_and_updates_options():
     first = model.forward.__func__
     lp.apply_liger_to(model, z_loss_scale=1e-3)
     assert model.forward.__func__ is first  # no wrapper stacked on the wrapper
-    assert getattr(model, STATE_ATTR).z_loss_scale == 1e-3
+    assert getattr(model, STATE_ATTR).options.z_loss_scale == 1e-3
     assert model(**make_batch()).z_loss is not None
 
 
@@ -56,9 +57,9 @@ def test_liger_patched_is_scoped():
     assert not is_liger_forward(model.forward)
     lp.apply_liger_to(model)
     with lp.liger_patched(model, z_loss_scale=1e-2):
-        assert getattr(model, STATE_ATTR).z_loss_scale == 1e-2
+        assert getattr(model, STATE_ATTR).options.z_loss_scale == 1e-2
     assert is_liger_forward(model.forward)  # patched before the block: still patched, old options back
-    assert getattr(model, STATE_ATTR).z_loss_scale == 0.0
+    assert getattr(model, STATE_ATTR).options.z_loss_scale == 0.0
 
 
 def test_class_level_patch_covers_later_instances_and_reverts():
@@ -324,16 +325,16 @@ def test_patching_after_an_instance_level_wrapper_warns():
 def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     """apply_liger_to(memory_budget=...) is what the fused loss gets; liger_patched restores the
     previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time."""
-    from liger_patch.ops import fused_linear_ce
+    from liger_patch.ops import budget
 
     seen = []
-    real = fused_linear_ce.resolve_memory_budget
+    real = budget.resolve_budget
 
     def spy(value):
         seen.append(value)
         return real(value)
 
-    monkeypatch.setattr(fused_linear_ce, "resolve_memory_budget", spy)
+    monkeypatch.setattr(budget, "resolve_budget", spy)
     model = tiny_model("llama")
     batch = make_batch()
     lp.apply_liger_to(model, memory_budget="lean")
@@ -353,3 +354,73 @@ def test_bad_memory_budget_is_refused_at_apply():
         lp.apply_liger_to(tiny_model("llama"), memory_budget="huge")
     with pytest.raises(TypeError, match="memory_budget"):
         lp.LigerPatchCallback(memory_budget=1.5).on_init_end(None, None, None, model=tiny_model("llama"))
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("ignore_index", 0),
+        ("reduction", "sum"),
+        ("softcap", 2.0),
+        ("logit_scale", 2.0),
+        ("return_z_loss", True),
+    ],
+)
+def test_options_the_forward_sets_are_refused_naming_who_sets_them(option, value):
+    from liger_patch.patching.forward import FORWARD_SETS
+
+    assert option in FORWARD_SETS
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=rf"{option}.*the patched forward sets them on every call"):
+        lp.apply_liger_to(model, **{option: value})
+    assert not is_liger_forward(model.forward)
+    with pytest.raises(TypeError, match="the patched forward sets them"):
+        lp.LigerPatchCallback(**{option: value})
+
+
+def test_unknown_options_are_refused_listing_the_options():
+    with pytest.raises(TypeError, match=r"apply_liger_to got unknown option\(s\) \['z_loss'\]"):
+        lp.apply_liger_to(tiny_model("llama"), z_loss=1e-3)
+    with pytest.raises(TypeError, match=r"LigerPatchCallback got unknown option"):
+        lp.LigerPatchCallback(smoothing=0.1)
+
+
+def test_signatures_and_docs_list_the_options():
+    import inspect
+
+    from liger_patch.ops.options import OPTION_NAMES
+    from liger_patch.patching.forward import FORWARD_SETS
+
+    taken = [name for name in OPTION_NAMES if name not in FORWARD_SETS]
+    for entry, first in (
+        (lp.apply_liger_to, ["target"]),
+        (lp.liger_patched, ["target"]),
+        (lp.LigerPatchCallback, []),
+    ):
+        parameters = inspect.signature(entry).parameters
+        assert list(parameters) == [*first, "strict", *taken], entry
+        assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ["strict", *taken])
+        assert all(f"{name}: " in entry.__doc__ for name in taken), entry
+
+
+def test_every_option_the_forward_sets_is_set_per_call():
+    """FORWARD_SETS (refused at apply) is exactly what the forward passes the op per call."""
+    from liger_patch.patching import forward
+    from liger_patch.patching.call import pop_loss_fields
+    from liger_patch.patching.state import patch_state
+
+    model = tiny_model("llama")
+    lp.apply_liger_to(model)
+    state = patch_state(model)
+    fields = pop_loss_fields(dict(make_batch()), model.config)
+    assert tuple(forward._per_call_options(state, fields, model.config)) == forward.FORWARD_SETS
+
+
+def test_patch_state_reads_through_wrappers():
+    from liger_patch.patching.state import patch_state
+
+    model = tiny_model("llama")
+    assert patch_state(model) is None and patch_state(None) is None
+    lp.apply_liger_to(model, z_loss_scale=1e-3)
+    assert patch_state(model).options.z_loss_scale == 1e-3
+    assert patch_state(torch.compile(model)) is patch_state(model)

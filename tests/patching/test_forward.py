@@ -235,3 +235,14 @@ def test_bad_labels_are_rejected(pair):
     batch["labels"][0, 5] = 10_000  # outside the vocabulary
     with pytest.raises((IndexError, ValueError)):
         patched(**batch)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granite", "cohere", "phi"])
+def test_return_logits_are_bit_identical_to_the_original_head(model_type, monkeypatch):
+    """The row's logit transform (``ModelSpec.transform_logits``) runs the original op order."""
+    reference = tiny_model(model_type)
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    monkeypatch.setenv("LIGER_RETURN_LOGITS", "1")
+    batch = make_batch()
+    assert torch.equal(patched(**batch).logits, reference(**batch).logits)

@@ -106,6 +106,8 @@ def test_docs_fullgraph_compile_note_is_still_true():
     model = tiny_model("llama", seed=6)
     lp.apply_liger_to(model)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="fused_linear_cross_entropy|compiler.disable"):
+    with pytest.raises(
+        torch._dynamo.exc.Unsupported, match="fused_loss|fused_linear_cross_entropy|compiler.disable"
+    ):
         compiled(**make_batch(seed=8))
     torch._dynamo.reset()

@@ -16,7 +16,8 @@ import torch
 import transformers
 
 import liger_patch as lp
-from liger_patch.patching.forward import STATE_ATTR, is_liger_forward
+from liger_patch.patching.forward import is_liger_forward
+from liger_patch.patching.state import STATE_ATTR
 from tests.patching_helpers import class_patch, make_batch, tiny_model
 
 
@@ -59,7 +60,8 @@ def test_instance_patch_survives_the_round_trip(round_trip):
     loaded = round_trip(model)
     assert is_liger_forward(loaded.forward) and loaded.forward.__self__ is loaded
     state = getattr(loaded, STATE_ATTR)
-    assert (state.z_loss_scale, state.label_smoothing, state.memory_budget) == (1e-3, 0.1, "lean")
+    options = state.options
+    assert (options.z_loss_scale, options.label_smoothing, options.memory_budget) == (1e-3, 0.1, "lean")
     out = assert_fused(loaded, batch, before.loss)
     torch.testing.assert_close(out.z_loss, before.z_loss, rtol=1e-6, atol=1e-6)
 

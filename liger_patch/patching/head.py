@@ -1,0 +1,83 @@
+"""The output head: whether the fused loss may use it, and its logits when they are asked for.
+
+The kernel reads ``head.weight`` and ``head.bias`` directly, so fusing is exact only for a plain
+linear layer with a dense floating-point weight (:func:`fusable_head` says which, or why not).
+The head's math (scaling, softcap) is the registry row's (``ModelSpec.transform_logits``);
+:func:`head_logits` applies it to the head's output for ``LIGER_RETURN_LOGITS=1``. A head whose
+weight a sharding wrapper owns is handled in ``sharded_head.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from liger_patch.patching.lazy import lazy_imports
+from liger_patch.patching.registry import ModelSpec, get_submodule_path
+from liger_patch.patching.sharded_head import is_dtensor, sharded_head_reason
+
+__all__ = ["fusable_head", "head_logits", "unfusable_head_message"]
+
+_FLOAT8_DTYPES = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
+
+
+def _active_modules_to_save_copy(head: nn.Module) -> nn.Module:
+    """The module a peft ``ModulesToSaveWrapper`` would run: the trainable copy when active."""
+    if not (hasattr(head, "modules_to_save") and hasattr(head, "original_module")):
+        return head
+    active = list(getattr(head, "active_adapters", []) or [])
+    if getattr(head, "disable_adapters", False) or not active or active[0] not in head.modules_to_save:
+        return head.original_module
+    return head.modules_to_save[active[0]]
+
+
+def _is_peft_adapter_layer(module: nn.Module) -> bool:
+    """True for peft tuner layers (LoRA & co.): their ``.weight`` is the base weight only."""
+    tuner_layer = lazy_imports()["peft_tuner_layer"]
+    return isinstance(module, tuner_layer) or type(module).__module__.startswith("peft.tuners")
+
+
+def _weight_reason(head: nn.Linear, where: str) -> str:
+    """Why the head's weight cannot be read as a dense float tensor (``""`` when it can)."""
+    weight = head.weight
+    if (
+        (type(weight) not in (nn.Parameter, torch.Tensor) and not is_dtensor(weight))
+        or not weight.is_floating_point()
+        or weight.dtype in _FLOAT8_DTYPES
+    ):
+        return f"its {where} weight is quantized ({type(weight).__name__}, {weight.dtype})"
+    if weight.device.type == "meta":
+        return f"its {where} weight is offloaded (on the meta device)"
+    return ""
+
+
+def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, str]:
+    """The ``nn.Linear`` whose weight/bias the fused loss may use, or ``(None, reason)``.
+
+    A LoRA-wrapped head (the adapter would be silently dropped), a quantized head (packed
+    integer/float8 weight or an overridden forward) and an offloaded head (weight on ``meta``)
+    all take the original path instead. An FSDP2-sharded weight (a DTensor) is fused:
+    ``sharded_head.fused_head_loss`` gathers it; a tensor-parallel one is not.
+    """
+    head = _active_modules_to_save_copy(get_submodule_path(model, spec.head))
+    if _is_peft_adapter_layer(head):
+        return None, (
+            f"its {spec.head} is a PEFT adapter layer ({type(head).__name__}, e.g. LoRA on lm_head), whose "
+            "weight is the base weight only; fusing would drop the adapter. Use "
+            "modules_to_save=['lm_head'] instead of targeting lm_head with LoRA to keep the fused loss"
+        )
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return None, f"its {spec.head} is a {type(head).__name__}, not a plain nn.Linear (quantized?)"
+    reason = sharded_head_reason(model, head) or _weight_reason(head, spec.head)
+    return (None, reason) if reason else (head, "")
+
+
+def unfusable_head_message(model: nn.Module, reason: str) -> str:
+    return f"liger_patch: {type(model).__name__} keeps its original loss path (full logits) because {reason}."
+
+
+def head_logits(head: nn.Linear, hidden: torch.Tensor, spec: ModelSpec, config: Any) -> torch.Tensor:
+    """The logits the original head produces (for ``LIGER_RETURN_LOGITS=1``), same op order."""
+    return spec.transform_logits(head(hidden), config)

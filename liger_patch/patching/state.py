@@ -1,0 +1,108 @@
+"""What a patch attaches to a model or class (:class:`PatchState`), and how to find it.
+
+``apply_liger_to`` sets a ``PatchState`` on the patched object under :data:`STATE_ATTR`: the
+registry row, the user's loss options (one :class:`~liger_patch.ops.options.LossOptions`),
+what ``revert_liger`` puts back, and the z-loss tracker the Trainer callback logs from.
+:func:`patch_state` is the public way to read it, through PEFT and ``torch.compile`` wrappers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
+from liger_patch.patching.registry import ModelSpec
+
+__all__ = ["STATE_ATTR", "PatchState", "ZLossTracker", "base_model_of", "own_state", "patch_state"]
+
+STATE_ATTR = "_liger_patch_state"
+
+
+class ZLossTracker:
+    """Accumulates the detached z-loss terms of training forwards for the Trainer callback.
+
+    It only adds tensors (no ``.item()``, so no host sync in the training step); the callback
+    turns the sum into a number when it logs.
+    """
+
+    def __init__(self) -> None:
+        self._terms: list[torch.Tensor] = []  # this optimizer step's forwards so far
+        self._step_sum: torch.Tensor | None = None
+        self._steps = 0
+
+    def add(self, z_loss: torch.Tensor) -> None:
+        """Record one forward's z-loss term (the part already inside its loss). ``nn.DataParallel``
+        replicas call this from their own threads with terms on their own GPUs: ``list.append``
+        is atomic, and nothing is added across devices here."""
+        self._terms.append(z_loss.detach().float())
+
+    def end_step(self) -> None:
+        """Close an optimizer step: its micro-batches' terms add up to the step's z-loss. Under
+        ``nn.DataParallel`` every GPU's replica saw a slice of each micro-batch and the Trainer
+        averages the replicas' losses, so the step's z-loss is the mean over GPUs of each GPU's
+        sum (with one device, just the sum)."""
+        if not self._terms:
+            return
+        terms, self._terms = self._terms, []
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        for term in terms:
+            per_device.setdefault(term.device, []).append(term)
+        home = terms[0].device
+        step = torch.stack([torch.stack(ts).sum().to(home) for ts in per_device.values()]).mean()
+        self._step_sum = step if self._step_sum is None else self._step_sum + step
+        self._steps += 1
+
+    def pop_mean(self) -> float | None:
+        """Mean z-loss per optimizer step since the last call, or ``None`` if none was recorded."""
+        self.end_step()
+        if self._step_sum is None or self._steps == 0:
+            return None
+        value = float(self._step_sum) / self._steps
+        self._step_sum, self._steps = None, 0
+        return value
+
+
+@dataclass
+class PatchState:
+    """What ``apply_liger_to`` attaches to a patched model or class.
+
+    ``spec`` is the registry row; ``options`` are the user's loss options (the patched forward
+    adds what it sets per call: ``forward.FORWARD_SETS``); ``previous_forward`` is what
+    ``revert_liger`` puts back (``None`` when the object had no forward of its own).
+    """
+
+    spec: ModelSpec
+    options: LossOptions = DEFAULT_OPTIONS
+    had_own_forward: bool = False
+    previous_forward: Any = None
+    z_loss_tracker: ZLossTracker = field(default_factory=ZLossTracker)
+    warned_unfusable_head: bool = False
+
+
+def base_model_of(model: Any) -> Any:
+    """The causal-LM module inside wrappers: a PEFT model's base model, a compiled module's original."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)):  # peft.PeftModel
+            model = model.get_base_model()
+    return model
+
+
+def own_state(obj: Any) -> PatchState | None:
+    """The PatchState set on ``obj`` itself (not inherited from a patched class)."""
+    return vars(obj).get(STATE_ATTR)
+
+
+def patch_state(model: Any) -> PatchState | None:
+    """The :class:`PatchState` in force for ``model`` (a model, also PEFT-wrapped or compiled, or
+    a class): its own, else its class's; ``None`` when it is not patched or ``model`` is ``None``."""
+    if model is None:
+        return None
+    return getattr(base_model_of(model), STATE_ATTR, None)
