@@ -164,8 +164,14 @@ def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _plan(
-    backend: Backend, hidden, weight, opts: LossOptions, budget_bytes: int, grad_weight: bool, lse_given: bool
-):
+    backend: Backend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    opts: LossOptions,
+    budget_bytes: int,
+    grad_weight: bool,
+    lse_given: bool,
+) -> tuple[ChunkPlan, Backend | None]:
     """The chunk plan of this call, and the backend whose fused logits GEMM token chunks may use
     (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster)."""
     fused = (
