@@ -124,7 +124,9 @@ class ChunkPlan:
     vocab_blocks: tuple[tuple[int, int, bool], ...] = ()
 
 
-_ALIGN = 16  # bytes: chunk buffers laid over grad_W start at a 16-byte boundary
+ALIGN = 16
+"""Bytes: a chunk buffer laid over grad_W starts at this boundary (``chunked._buffer_in``), which
+keeps cuBLAS on its vectorised kernels and any dtype view legal; pass B's plan leaves room for it."""
 
 
 def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:
@@ -183,7 +185,7 @@ def vocab_blocks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> tuple[
     v0 = 0
     while v0 < vocab:
         # cols * tokens * logit_bytes + alignment <= (vocab - v0 - cols) * row_bytes
-        cols = max(0, (vocab - v0) * row_bytes - _ALIGN) // (n_rows * shape.logit_bytes + row_bytes)
+        cols = max(0, (vocab - v0) * row_bytes - ALIGN) // (n_rows * shape.logit_bytes + row_bytes)
         cols -= cols % 128 if cols >= 256 else 0
         if cols > budget_cols:
             blocks.append((v0, v0 + cols, True))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from liger_patch.ops.backends import Backend
-from liger_patch.ops.budget import ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.budget import ALIGN, ChunkPlan, ChunkShape, plan_chunks
 from liger_patch.ops.options import LossOptions
 
 
@@ -115,9 +115,6 @@ def _chunk_logits(
     return _logits(h, w, b, dtype, out=out), None
 
 
-_ALIGN = 16  # bytes; keeps cuBLAS on its vectorised kernels and any dtype view legal
-
-
 def _buffer_in(
     storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, at_end: bool = False
 ) -> torch.Tensor:
@@ -126,7 +123,7 @@ def _buffer_in(
     16-byte boundary (so up to 15 bytes before the last ``rows * cols`` elements)."""
     flat = storage.view(-1).view(torch.uint8)
     nbytes = rows * cols * dtype.itemsize
-    start = (flat.numel() - nbytes) // _ALIGN * _ALIGN if at_end else 0
+    start = (flat.numel() - nbytes) // ALIGN * ALIGN if at_end else 0
     return flat[start : start + nbytes].view(dtype).view(rows, cols)
 
 
@@ -168,6 +165,7 @@ def _plan(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     opts: LossOptions,
+    logits_dtype: torch.dtype,
     budget_bytes: int,
     grad_weight: bool,
     lse_given: bool,
@@ -177,7 +175,6 @@ def _plan(
     fused = (
         backend if backend.fused_logits is not None and opts.tuning.fused_logits and not lse_given else None
     )
-    logits_dtype = opts.logits_dtype or hidden.dtype
     shape = ChunkShape(
         n_rows=hidden.shape[0],
         vocab=weight.shape[0],
@@ -222,7 +219,10 @@ def run_chunks(
     """
     compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
     grad_weight_here = compute_grad and need_weight
-    plan, fused = _plan(backend, hidden, weight, opts, budget_bytes, grad_weight_here, lse_in is not None)
+    logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
+    plan, fused = _plan(
+        backend, hidden, weight, opts, logits_dtype, budget_bytes, grad_weight_here, lse_in is not None
+    )
     n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
@@ -246,11 +246,23 @@ def run_chunks(
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
     if lse_in is None or token_grads:
         _token_pass(
-            backend, fused, plan, hidden, w, b, labels, opts, res, coef_ce, coef_z, lse_in, token_grads
+            backend,
+            fused,
+            plan,
+            hidden,
+            w,
+            b,
+            labels,
+            opts,
+            logits_dtype,
+            res,
+            coef_ce,
+            coef_z,
+            lse_in,
+            token_grads,
         )
     if plan.two_pass:
         lse = lse_in if lse_in is not None else res.lse
-        logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
         _vocab_pass(
             backend, plan, hidden.to(gemm_dtype), w, b, labels, opts, logits_dtype, coef_ce, coef_z, lse, res
         )
@@ -271,6 +283,7 @@ def _token_pass(
     b: torch.Tensor | None,
     labels: torch.Tensor,
     opts: LossOptions,
+    logits_dtype: torch.dtype,
     res: ChunkResult,
     coef_ce: torch.Tensor | None,
     coef_z: torch.Tensor | None,
@@ -282,7 +295,6 @@ def _token_pass(
     On the two-pass path the chunks may live in grad_W's bytes (``plan.logits_in_grad_weight``),
     free until pass B writes it."""
     n_rows, vocab = hidden.shape[0], w.shape[0]
-    logits_dtype = opts.logits_dtype or hidden.dtype
     scratch = res.grad_weight if plan.logits_in_grad_weight else None
     for start in range(0, n_rows, plan.rows):
         stop = min(start + plan.rows, n_rows)

@@ -19,6 +19,7 @@ import torch
 
 from liger_patch.ops.budget import parse_memory_budget
 from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
+from liger_patch.ops.validation import FLOAT_DTYPES
 
 Reduction = Literal["mean", "sum", "none"]
 BackendName = Literal["auto", "triton", "torch"]
@@ -140,11 +141,7 @@ def _checked(opts: LossOptions) -> dict[str, Any]:
         raise ValueError(f"logit_scale must be a finite non-zero number (or None), got {logit_scale}")
     if opts.memory_budget is not None:
         parse_memory_budget(opts.memory_budget)
-    if opts.logits_dtype is not None and opts.logits_dtype not in (
-        torch.float32,
-        torch.bfloat16,
-        torch.float16,
-    ):
+    if opts.logits_dtype is not None and opts.logits_dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"logits_dtype must be None or a float dtype (torch.float32), got {opts.logits_dtype!r}"
         )
