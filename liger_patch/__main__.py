@@ -1,6 +1,7 @@
-"""Command line: ``python -m liger_patch {doctor,demo}`` (also installed as ``liger-patch``).
+"""Command line: ``python -m liger_patch {doctor,demo,verify}`` (also installed as ``liger-patch``).
 
-Each subcommand owns its options (``demo`` defines them in ``liger_patch.demo``), so
+Each subcommand owns its options (``demo`` defines them in ``liger_patch.demo``, ``verify`` in
+``liger_patch.patching.verify_cli``), so
 ``python -m liger_patch demo --help`` lists them and an unknown option is an argparse error.
 """
 
@@ -13,7 +14,8 @@ import sys
 DESCRIPTION = """\
 liger_patch: fused linear cross-entropy for HuggingFace causal LMs.
 
-Check an installation with `doctor`; see what patching a model changes with `demo`.
+Check an installation with `doctor`; see what patching a model changes with `demo`; check that
+patching gives the unpatched loss and gradients for every model type (or your own) with `verify`.
 Run `%(prog)s COMMAND --help` for a command's options."""
 
 
@@ -26,6 +28,7 @@ def _prog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command; ``demo``'s options come from demo.py."""
     from liger_patch.demo import add_arguments as add_demo_arguments
+    from liger_patch.patching.verify_cli import add_arguments as add_verify_arguments
 
     parser = argparse.ArgumentParser(
         prog=_prog(), description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the same batches; print both loss curves, the peak memory of the loss step and the speed.",
     )
     add_demo_arguments(demo)
+    verify = sub.add_parser(
+        "verify",
+        help="patched vs unpatched training step for every model type, or your own (--model)",
+        description="Build a tiny random model of each causal-LM and image-text-to-text type of the "
+        "installed transformers (or of your own architecture with --model), run one training step "
+        "unpatched and patched from the same weights, compare the loss and every gradient, and "
+        "classify each type as verified, refused (with the reason) or failed. Exit status 1 when "
+        "any failed.",
+    )
+    add_verify_arguments(verify)
     return parser
 
 
@@ -54,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from liger_patch.doctor import run_doctor
 
         return run_doctor()
+    if args.command == "verify":
+        from liger_patch.patching.verify_cli import run_verify
+
+        return run_verify(args)
     from liger_patch.demo import run_demo
 
     return run_demo(args)

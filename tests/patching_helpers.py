@@ -47,6 +47,8 @@ TINY_CONFIG = dict(
     eos_token_id=2,
 )
 
+# The families the patching tests train in depth (the sweep in tests/patching/test_verify.py
+# covers every type once).
 # fmt: off
 ALL_BUILTIN_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2",
@@ -57,9 +59,10 @@ ALL_BUILTIN_MODEL_TYPES = (
 
 
 def available_model_types() -> list[str]:
-    """Built-in rows whose class exists in the installed transformers (4.57 may lack some)."""
-    rows = lp.supported_models()
-    return [mt for mt in ALL_BUILTIN_MODEL_TYPES if rows[mt].resolve_class() is not None]
+    """The families above that the installed transformers has (4.57 lacks some)."""
+    from liger_patch.patching.derive import classes_for_model_type
+
+    return [mt for mt in ALL_BUILTIN_MODEL_TYPES if classes_for_model_type(mt)]
 
 
 def device_and_dtype() -> tuple[torch.device, torch.dtype]:
@@ -84,12 +87,13 @@ def tolerances(dtype: torch.dtype) -> Tolerances:
 
 def tiny_model(model_type: str = "llama", seed: int = 0, dtype: torch.dtype | None = None, **overrides):
     """A randomly initialised causal LM of ``model_type``, in train mode."""
-    spec = lp.supported_models()[model_type]
+    from liger_patch.patching.derive import classes_for_model_type
+
     config = AutoConfig.for_model(model_type, **{**TINY_CONFIG, **overrides})
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = spec.resolve_class()(config)
+        model = classes_for_model_type(model_type)[0](config)
     device, default_dtype = device_and_dtype()
     model.to(device=device, dtype=dtype or default_dtype)
     return model.train()

@@ -1,18 +1,12 @@
-"""Everything that knows about transformers: the registry, the generic forward, apply/revert."""
+"""Everything that knows about transformers: specs (rows and derived), the generic forward, apply/revert."""
 
 from liger_patch.patching.apply import apply_liger_to, liger_patched, revert_liger
-from liger_patch.patching.registry import (
-    ModelSpec,
-    MoeAuxLoss,
-    UnsupportedModelError,
-    register_model,
-    supported_models,
-)
+from liger_patch.patching.derive import supported_models
+from liger_patch.patching.registry import ModelSpec, UnsupportedModelError, register_model
 from liger_patch.patching.state import PatchState, patch_state
 
 __all__ = [
     "ModelSpec",
-    "MoeAuxLoss",
     "PatchState",
     "UnsupportedModelError",
     "apply_liger_to",

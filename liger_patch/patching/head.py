@@ -1,24 +1,23 @@
-"""The output head: whether the fused loss may use it, and its logits when they are asked for.
+"""The output head: where it is, and whether the fused loss may use it.
 
+The head is the module ``get_output_embeddings()`` returns (or the path a registry row names).
 The kernel reads ``head.weight`` and ``head.bias`` directly, so fusing is exact only for a plain
 linear layer with a dense floating-point weight (:func:`fusable_head` says which, or why not).
-The head's math (scaling, softcap) is the registry row's (``ModelSpec.transform_logits``);
-:func:`head_logits` applies it to the head's output for ``LIGER_RETURN_LOGITS=1``. A head whose
-weight a sharding wrapper owns is handled in ``sharded_head.py``.
+A head whose weight a sharding wrapper owns is handled in ``sharded_head.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
 
 import torch
 import torch.nn as nn
 
 from liger_patch.patching.lazy import lazy_imports
-from liger_patch.patching.registry import ModelSpec, get_submodule_path
+from liger_patch.patching.registry import ModelSpec, get_submodule_path, missing_path_message
 from liger_patch.patching.sharded_head import is_dtensor, sharded_head_reason
 
-__all__ = ["fusable_head", "head_logits", "unfusable_head_message"]
+__all__ = ["fusable_head", "head_path", "unfusable_head_message"]
 
 _FLOAT8_DTYPES = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 
@@ -53,31 +52,72 @@ def _weight_reason(head: nn.Linear, where: str) -> str:
     return ""
 
 
-def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, str]:
-    """The ``nn.Linear`` whose weight/bias the fused loss may use, or ``(None, reason)``.
+# model -> the path its output projection was last found at (walking named_modules() on every
+# forward would cost a walk over every submodule of a large model per step).
+_HEAD_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def head_path(model: nn.Module, spec: ModelSpec) -> str | None:
+    """The attribute path of the output projection: the row's ``head``, else the path of the
+    module ``model.get_output_embeddings()`` returns (``None`` when it returns none)."""
+    if spec.head:
+        return spec.head
+    module = _output_embeddings(model)
+    if module is None:
+        return None
+    cached = _HEAD_PATHS.get(model)
+    if (
+        cached is not None
+        and missing_path_message(model, cached) is None
+        and model.get_submodule(cached) is module
+    ):
+        return cached
+    path = next((name for name, m in model.named_modules() if m is module and name), None)
+    if path is not None:
+        _HEAD_PATHS[model] = path
+    return path
+
+
+def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, str, str]:
+    """``(head, "", path)``: the ``nn.Linear`` whose weight/bias the fused loss may use and the
+    attribute path it sits at, or ``(None, reason, path)``.
 
     A LoRA-wrapped head (the adapter would be silently dropped), a quantized head (packed
     integer/float8 weight or an overridden forward) and an offloaded head (weight on ``meta``)
     all take the original path instead. An FSDP2-sharded weight (a DTensor) is fused:
     ``sharded_head.fused_head_loss`` gathers it; a tensor-parallel one is not.
     """
-    head = _active_modules_to_save_copy(get_submodule_path(model, spec.head))
+    path = head_path(model, spec)
+    if path is None:
+        return None, "it has no output projection (get_output_embeddings() returns None)", ""
+    head = _active_modules_to_save_copy(get_submodule_path(model, path))
     if _is_peft_adapter_layer(head):
-        return None, (
-            f"its {spec.head} is a PEFT adapter layer ({type(head).__name__}, e.g. LoRA on lm_head), whose "
-            "weight is the base weight only; fusing would drop the adapter. Use "
-            "modules_to_save=['lm_head'] instead of targeting lm_head with LoRA to keep the fused loss"
+        return (
+            None,
+            (
+                f"its {path} is a PEFT adapter layer ({type(head).__name__}, e.g. LoRA on lm_head), whose "
+                "weight is the base weight only; fusing would drop the adapter. Use "
+                "modules_to_save=['lm_head'] instead of targeting lm_head with LoRA to keep the fused loss"
+            ),
+            path,
         )
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        return None, f"its {spec.head} is a {type(head).__name__}, not a plain nn.Linear (quantized?)"
-    reason = sharded_head_reason(model, head) or _weight_reason(head, spec.head)
-    return (None, reason) if reason else (head, "")
+        return (
+            None,
+            f"its {path} is a {type(head).__name__}, not a plain nn.Linear (a quantized or custom layer)",
+            path,
+        )
+    reason = sharded_head_reason(model, head) or _weight_reason(head, path)
+    return (None, reason, path) if reason else (head, "", path)
 
 
 def unfusable_head_message(model: nn.Module, reason: str) -> str:
     return f"liger_patch: {type(model).__name__} keeps its original loss path (full logits) because {reason}."
-
-
-def head_logits(head: nn.Linear, hidden: torch.Tensor, spec: ModelSpec, config: Any) -> torch.Tensor:
-    """The logits the original head produces (for ``LIGER_RETURN_LOGITS=1``), same op order."""
-    return spec.transform_logits(head(hidden), config)

@@ -13,23 +13,14 @@ _LAZY: dict[str, Any] = {}
 
 
 def lazy_imports() -> dict[str, Any]:
-    """``dense_output``, ``moe_output``, ``slice_logits_to_keep`` (or ``None``) and
-    ``peft_tuner_layer`` (``()`` without peft), imported once and cached."""
+    """``causal_lm_loss`` (transformers' stock ``ForCausalLMLoss``) and ``peft_tuner_layer``
+    (``()`` without peft), imported once and cached."""
     if not _LAZY:
-        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+        from transformers.loss.loss_utils import LOSS_MAPPING
 
-        try:  # transformers 5.x names the slicing (and adds 2-D position/mask forms); 4.57 sliced inline
-            from transformers.modeling_utils import slice_logits_to_keep
-        except ImportError:
-            slice_logits_to_keep = None
         try:
             from peft.tuners.tuners_utils import BaseTunerLayer
         except ImportError:
             BaseTunerLayer = ()  # noqa: N806 - peft absent: nothing can be a peft layer
-        _LAZY.update(
-            dense_output=CausalLMOutputWithPast,
-            moe_output=MoeCausalLMOutputWithPast,
-            slice_logits_to_keep=slice_logits_to_keep,
-            peft_tuner_layer=BaseTunerLayer,
-        )
+        _LAZY.update(causal_lm_loss=LOSS_MAPPING["ForCausalLM"], peft_tuner_layer=BaseTunerLayer)
     return _LAZY

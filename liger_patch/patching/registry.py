@@ -1,9 +1,11 @@
-"""The architecture registry: one declarative row (a :class:`ModelSpec`) per causal-LM family.
+"""Registry rows: hand-written :class:`ModelSpec` entries for what derivation cannot see.
 
-A row says *where* things are and *which config attributes* change the head's math; it never
-holds a forward. Every row is served by the one generic forward in ``forward.py``. Adding an
-architecture is one row here (or one ``register_model`` call in user code) plus one test
-parametrization; if it needs more, the generic forward is missing a concept.
+Most models need no row: ``derive.py`` derives their spec (the output projection is what
+``get_output_embeddings()`` returns; everything else is the model's own forward, run with that
+projection captured). A row is for the exceptions: a model whose ``get_output_embeddings()``
+does not name its output projection (:data:`BUILTIN_ROWS`), or a user's own architecture
+registered explicitly with :func:`register_model`. A row wins over derivation. It never holds
+a forward: every model is served by the one generic forward in ``forward.py``.
 """
 
 from __future__ import annotations
@@ -12,113 +14,44 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 __all__ = [
+    "BUILTIN_ROWS",
     "ModelSpec",
-    "MoeAuxLoss",
     "UnsupportedModelError",
     "get_submodule_path",
     "missing_path_message",
     "register_model",
-    "spec_for",
-    "spec_for_model_type",
-    "supported_models",
+    "registered_rows",
+    "row_for",
+    "row_for_model_type",
 ]
 
 
 class UnsupportedModelError(TypeError):
-    """Raised by ``apply_liger_to(..., strict=True)`` for an architecture with no registry row,
-    or whose row names a body or head path that the model does not have."""
-
-
-@dataclass(frozen=True)
-class MoeAuxLoss:
-    """How a mixture-of-experts row adds its router load-balancing loss.
-
-    The loss function itself is the model's own: ``loss_func_name`` is looked up in the module
-    that defines the model's forward, exactly the function the original forward calls. The three
-    numbers come from the model's config, as the original ``__init__`` reads them.
-    """
-
-    num_experts_attr: str = "num_experts"
-    top_k_attr: str = "num_experts_per_tok"
-    coef_attr: str = "router_aux_loss_coef"
-    loss_func_name: str = "load_balancing_loss_func"
+    """Raised by ``apply_liger_to(..., strict=True)`` for a model that cannot be patched exactly,
+    with the reason (no output projection, no labels, a known mismatch, ...)."""
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One registry row: how the generic fused forward reaches and reproduces a model's head.
+    """How the generic fused forward finds a model's output projection.
 
     Attributes:
-        model_type: ``config.model_type`` of the family (``"llama"``); also the key of the row.
-        class_name: the transformers causal-LM class this row describes (``"LlamaForCausalLM"``).
-            Used to find the class in the installed transformers; users' own classes registered
-            with ``register_model(cls, spec)`` are matched by the class object instead.
-        body: attribute path of the decoder body that returns the last hidden states.
-        head: attribute path of the output projection (an ``nn.Linear``; bias allowed).
-        logit_scale_attr: config attribute that *multiplies* the logits (Cohere's ``logit_scale``).
-        logit_divisor_attr: config attribute that *divides* the logits (Granite's ``logits_scaling``).
-        softcap_attr: config attribute c for ``c * tanh(logits / c)`` (Gemma2/3's
-            ``final_logit_softcapping``); a ``None`` value in the config means no softcap.
-        moe: router aux-loss settings for mixture-of-experts rows, else ``None``.
-        notes: one line shown in the supported-models table.
+        model_type: ``config.model_type`` of the family (``"llama"``).
+        class_name: the model class this spec describes (``"LlamaForCausalLM"``).
+        head: attribute path of the output projection (an ``nn.Linear``; bias allowed), or
+            ``None`` for the module ``model.get_output_embeddings()`` returns.
+        notes: one line shown in the models table.
+        derived: ``True`` for a spec derived from the model (``derive.py``), ``False`` for a row.
     """
 
     model_type: str
     class_name: str
-    body: str = "model"
-    head: str = "lm_head"
-    logit_scale_attr: str | None = None
-    logit_divisor_attr: str | None = None
-    softcap_attr: str | None = None
-    moe: MoeAuxLoss | None = None
+    head: str | None = None
     notes: str = ""
-
-    def logit_scale(self, config: Any) -> float | None:
-        """The multiplier applied to the logits for this config, or ``None`` when there is none."""
-        scale = _config_value(config, self.logit_scale_attr)
-        scale = None if scale is None else float(scale)
-        divisor = _config_value(config, self.logit_divisor_attr)
-        if divisor is not None:
-            scale = (1.0 if scale is None else scale) / float(divisor)
-        return scale
-
-    def softcap(self, config: Any) -> float | None:
-        """The final-logit softcap for this config, or ``None``."""
-        value = _config_value(config, self.softcap_attr)
-        return None if value is None else float(value)
-
-    def transform_logits(self, logits: torch.Tensor, config: Any) -> torch.Tensor:
-        """This row's head math on ``head(hidden)``, in the original forwards' op order: divide
-        by the divisor, multiply by the scale, then softcap as ``tanh(x / c) * c`` (what the
-        fused loss computes in its kernel, for ``LIGER_RETURN_LOGITS=1``)."""
-        divisor = _config_value(config, self.logit_divisor_attr)
-        if divisor is not None:
-            logits = logits / divisor
-        scale = _config_value(config, self.logit_scale_attr)
-        if scale is not None:
-            logits = logits * scale
-        softcap = self.softcap(config)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
-
-    def resolve_class(self) -> type[nn.Module] | None:
-        """The class named by this row in the installed transformers, or ``None`` if it has none."""
-        import transformers
-
-        try:
-            return getattr(transformers, self.class_name)
-        except (AttributeError, ImportError, RuntimeError):
-            return None
-
-
-def _config_value(config: Any, attr: str | None) -> Any:
-    """``config.<attr>`` as the original forward reads it; ``None`` without that attribute or name."""
-    return None if attr is None else getattr(config, attr, None)
+    derived: bool = False
 
 
 def missing_path_message(model: nn.Module, path: str) -> str | None:
@@ -151,55 +84,31 @@ def get_submodule_path(model: nn.Module, path: str) -> Any:
     return obj
 
 
-def _row(model_type: str, class_name: str, **fields: Any) -> ModelSpec:
-    return ModelSpec(model_type=model_type, class_name=class_name, **fields)
-
-
-_MIXTRAL_STYLE_MOE = MoeAuxLoss(num_experts_attr="num_local_experts")
-_QWEN_STYLE_MOE = MoeAuxLoss(num_experts_attr="num_experts")
-_GEMMA_SOFTCAP = "final_logit_softcapping"
-
-_BUILTIN_ROWS: tuple[ModelSpec, ...] = (
-    _row("llama", "LlamaForCausalLM"),
-    _row("mistral", "MistralForCausalLM"),
-    _row("qwen2", "Qwen2ForCausalLM"),
-    _row("qwen2_moe", "Qwen2MoeForCausalLM", moe=_QWEN_STYLE_MOE),
-    _row("qwen3", "Qwen3ForCausalLM"),
-    _row("qwen3_moe", "Qwen3MoeForCausalLM", moe=_QWEN_STYLE_MOE),
-    _row("mixtral", "MixtralForCausalLM", moe=_MIXTRAL_STYLE_MOE),
-    _row("gemma", "GemmaForCausalLM", notes="tied embeddings"),
-    _row("gemma2", "Gemma2ForCausalLM", softcap_attr=_GEMMA_SOFTCAP),
-    _row("gemma3_text", "Gemma3ForCausalLM", softcap_attr=_GEMMA_SOFTCAP),
-    _row("phi3", "Phi3ForCausalLM"),
-    _row("phi", "PhiForCausalLM", notes="lm_head bias"),
-    _row("olmo2", "Olmo2ForCausalLM"),
-    _row("olmo3", "Olmo3ForCausalLM"),
-    _row("glm", "GlmForCausalLM"),
-    _row("glm4", "Glm4ForCausalLM"),
-    _row("granite", "GraniteForCausalLM", logit_divisor_attr="logits_scaling"),
-    _row(
-        "granitemoe",
-        "GraniteMoeForCausalLM",
-        logit_divisor_attr="logits_scaling",
-        moe=_MIXTRAL_STYLE_MOE,
+BUILTIN_ROWS: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        "blip",
+        "BlipForConditionalGeneration",
+        head="text_decoder.cls.predictions.decoder",
+        notes="get_output_embeddings() returns None; the projection is its text decoder's",
     ),
-    _row("cohere", "CohereForCausalLM", logit_scale_attr="logit_scale"),
-    _row("cohere2", "Cohere2ForCausalLM", logit_scale_attr="logit_scale"),
-    _row("smollm3", "SmolLM3ForCausalLM"),
+    ModelSpec(
+        "nemotron_h_omni",
+        "NemotronH_Omni_Reasoning_V3",
+        head="language_model.lm_head",
+        notes="get_output_embeddings() returns None; the projection is its language model's",
+    ),
 )
+"""The types whose ``get_output_embeddings()`` does not name their output projection (found by the
+verification sweep); each row names it."""
 
-# model_type -> row, for the built-in rows and rows users add by model_type.
-_ROWS_BY_MODEL_TYPE: dict[str, ModelSpec] = {row.model_type: row for row in _BUILTIN_ROWS}
-# class -> row, for users' own classes (and built-in classes they re-register).
+# model_type -> row: the built-in rows and the rows users add by model_type.
+_ROWS_BY_MODEL_TYPE: dict[str, ModelSpec] = {row.model_type: row for row in BUILTIN_ROWS}
+# class -> row, for users' own classes (and transformers classes they re-register).
 _ROWS_BY_CLASS: dict[type, ModelSpec] = {}
 
 
-def supported_models() -> dict[str, ModelSpec]:
-    """All registry rows, keyed by model_type (a copy: editing it changes nothing).
-
-    Rows whose class is missing from the installed transformers are included; use
-    ``spec.resolve_class()`` to tell which ones this installation can patch.
-    """
+def registered_rows() -> dict[str, ModelSpec]:
+    """Every registered row, keyed by model_type (a copy: editing it changes nothing)."""
     rows = dict(_ROWS_BY_MODEL_TYPE)
     for cls, spec in _ROWS_BY_CLASS.items():
         rows.setdefault(spec.model_type or cls.__name__, spec)
@@ -228,52 +137,19 @@ def register_model(cls_or_model_type: type[nn.Module] | str, spec: ModelSpec) ->
     )
 
 
-def spec_for(cls: type) -> ModelSpec | None:
-    """The row for a causal-LM class (or its nearest registered base class), else ``None``.
-
-    User-registered classes win; built-in rows match a transformers class by name, walking the
-    MRO so that a user's subclass of ``LlamaForCausalLM`` is still served by the llama row.
-    """
-    builtin_by_class_name = {row.class_name: row for row in _ROWS_BY_MODEL_TYPE.values()}
+def row_for(cls: type) -> ModelSpec | None:
+    """The row for a model class: registered for the class or its nearest registered base
+    class (a user's subclass is served by its base's row), else for its config's model_type."""
     for klass in cls.__mro__:
         if klass in _ROWS_BY_CLASS:
             return _ROWS_BY_CLASS[klass]
-        row = builtin_by_class_name.get(klass.__name__)
-        if row is not None and klass.__module__.startswith("transformers.") and row.resolve_class() is klass:
-            return row
+    model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    row = _ROWS_BY_MODEL_TYPE.get(model_type) if model_type else None
+    if row is not None and row.class_name in ("", cls.__name__):
+        return row
     return None
 
 
-def spec_for_model_type(model_type: str) -> ModelSpec | None:
+def row_for_model_type(model_type: str) -> ModelSpec | None:
     """The row registered under ``model_type``, else ``None``."""
     return _ROWS_BY_MODEL_TYPE.get(model_type)
-
-
-def supported_models_markdown() -> str:
-    """The supported-models table of ``docs/patching.md``, generated from the registry rows.
-
-    ``python docs/gen_supported_models.py`` rewrites the table in the docs; a test checks that
-    the table there is this one.
-    """
-    lines = [
-        "| model_type | transformers class | logit scaling | final-logit softcap | MoE aux loss | notes |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in sorted(_ROWS_BY_MODEL_TYPE.values(), key=lambda r: r.model_type):
-        if row not in _BUILTIN_ROWS:
-            continue
-        scaling = []
-        if row.logit_scale_attr:
-            scaling.append(f"`* config.{row.logit_scale_attr}`")
-        if row.logit_divisor_attr:
-            scaling.append(f"`/ config.{row.logit_divisor_attr}`")
-        softcap = f"`config.{row.softcap_attr}`" if row.softcap_attr else ""
-        moe = ""
-        if row.moe is not None:
-            moe = (
-                f"`{row.moe.loss_func_name}`, `{row.moe.coef_attr}`, "
-                f"`{row.moe.num_experts_attr}`, `{row.moe.top_k_attr}`"
-            )
-        cells = [f"`{row.model_type}`", f"`{row.class_name}`", " ".join(scaling), softcap, moe, row.notes]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

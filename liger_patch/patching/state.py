@@ -72,7 +72,9 @@ class PatchState:
 
     ``spec`` is the registry row; ``options`` are the user's loss options (the patched forward
     adds what it sets per call: ``forward.FORWARD_SETS``); ``previous_forward`` is what
-    ``revert_liger`` puts back (``None`` when the object had no forward of its own).
+    ``revert_liger`` puts back (``None`` when the object had no forward of its own);
+    ``unfusable_reason`` is set when a forward used its logits in a way with no fused
+    counterpart: this patch then runs the original path.
     """
 
     spec: ModelSpec
@@ -81,6 +83,7 @@ class PatchState:
     previous_forward: Any = None
     z_loss_tracker: ZLossTracker = field(default_factory=ZLossTracker)
     warned_unfusable_head: bool = False
+    unfusable_reason: str | None = None
 
 
 def base_model_of(model: Any) -> Any:

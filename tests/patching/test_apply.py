@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import copy
-import re
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 import transformers
 
 import liger_patch as lp
 from liger_patch.patching.forward import is_liger_forward
+from liger_patch.patching.registry import BUILTIN_ROWS
 from liger_patch.patching.state import STATE_ATTR
-from tests.patching_helpers import class_patch, make_batch, tiny_model
+from tests.patching_helpers import class_patch, device_and_dtype, make_batch, tiny_model, tolerances
+
+BUILTIN = {row.model_type: row for row in BUILTIN_ROWS}
 
 
 def test_instance_patch_touches_only_that_instance():
@@ -98,122 +99,6 @@ def test_subclass_of_a_supported_class_uses_its_row():
     torch.testing.assert_close(out.loss, base(**batch).loss, rtol=1e-4, atol=1e-4)
 
 
-def test_unknown_architecture_strict_raises_naming_class_and_fix():
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
-    )
-    with pytest.raises(lp.UnsupportedModelError, match=r"GPT2LMHeadModel.*register_model"):
-        lp.apply_liger_to(model)
-    with pytest.warns(UserWarning, match="GPT2LMHeadModel"):
-        assert lp.apply_liger_to(model, strict=False) is model
-    assert not is_liger_forward(model.forward)
-    with pytest.raises(lp.UnsupportedModelError, match="no_such_model"):
-        lp.apply_liger_to("no_such_model")
-
-
-def test_register_model_for_a_user_architecture():
-    class TinyGPT2(transformers.GPT2LMHeadModel):
-        pass
-
-    spec = lp.register_model(
-        TinyGPT2, lp.ModelSpec(model_type="tiny_gpt2", class_name="", body="transformer")
-    )
-    assert spec.class_name == "TinyGPT2"
-    assert "tiny_gpt2" in lp.supported_models()
-    torch.manual_seed(0)
-    reference = TinyGPT2(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).train()
-    reference.config.attn_pdrop = reference.config.resid_pdrop = reference.config.embd_pdrop = 0.0
-    for module in reference.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    patched = copy.deepcopy(reference)
-    lp.apply_liger_to(patched)
-    ids = torch.randint(0, 64, (2, 10))
-    out = patched(input_ids=ids, labels=ids)
-    assert out.logits is None
-    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
-
-
-def test_bad_targets_and_options():
-    with pytest.raises(TypeError, match="apply_liger_to expects"):
-        lp.apply_liger_to(42)
-    with pytest.raises(ValueError, match="z_loss_scale"):
-        lp.apply_liger_to(tiny_model("llama"), z_loss_scale=-1.0)
-    with pytest.raises(ValueError, match="label_smoothing"):
-        lp.apply_liger_to(tiny_model("llama"), label_smoothing=1.5)
-    with pytest.raises(TypeError, match="ModelSpec"):
-        lp.register_model("x", {"body": "model"})
-
-
-def test_revert_and_liger_patched_refuse_non_models():
-    with pytest.raises(
-        TypeError, match="revert_liger expects a model, a model class or a model_type string, got int"
-    ):
-        lp.revert_liger(42)
-    with (
-        pytest.raises(TypeError, match="liger_patched expects a model, a model class or a model_type string"),
-        lp.liger_patched(42),
-    ):
-        pass
-
-
-def random_op_inputs(seed: int = 0):
-    """hidden (N, H), weight (V, H) and labels for calling the op directly."""
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(6, 8, generator=g),
-        torch.randn(16, 8, generator=g),
-        torch.randint(0, 16, (6,), generator=g),
-    )
-
-
-# (option, value) pairs the op refuses: apply_liger_to must refuse them too, instead of
-# accepting them and failing on every forward.
-OPTIONS_THE_OP_REFUSES = [
-    ("z_loss_scale", float("inf")),
-    ("z_loss_scale", float("nan")),
-    ("z_loss_scale", -1.0),
-    ("label_smoothing", float("nan")),
-    ("label_smoothing", 1.5),
-    ("label_smoothing", -0.1),
-]
-
-
-@pytest.mark.parametrize(("option", "value"), OPTIONS_THE_OP_REFUSES, ids=str)
-def test_options_the_op_refuses_are_refused_at_apply(option, value):
-    with pytest.raises(ValueError, match=option):  # the op's own rule
-        lp.fused_linear_cross_entropy(*random_op_inputs(), **{option: value})
-    model = tiny_model("llama")
-    with pytest.raises(ValueError, match=option):
-        lp.apply_liger_to(model, **{option: value})
-    assert not is_liger_forward(model.forward)
-
-
-@pytest.mark.parametrize("value", ["0.1", "abc", None, [0.1]], ids=repr)
-@pytest.mark.parametrize("option", ["z_loss_scale", "label_smoothing"])
-def test_non_number_options_are_refused_naming_the_option(option, value):
-    with pytest.raises((TypeError, ValueError), match=option):
-        lp.apply_liger_to(tiny_model("llama"), **{option: value})
-
-
-def test_label_smoothing_one_is_accepted_as_the_op_accepts_it():
-    """The op (like F.cross_entropy) takes label_smoothing in [0, 1]; apply used to refuse 1.0."""
-    model = tiny_model("llama", seed=2)
-    batch = make_batch(seed=3)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    model.train()
-    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-    expected = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).double(), targets.flatten(), label_smoothing=1.0
-    )
-    lp.apply_liger_to(model, label_smoothing=1.0)
-    out = model(**batch)
-    assert out.logits is None
-    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-5)
-
-
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Rows registered in the test are dropped after it (other tests see the registry as it was)."""
@@ -221,6 +106,50 @@ def scratch_registry(monkeypatch):
 
     monkeypatch.setattr(registry, "_ROWS_BY_CLASS", dict(registry._ROWS_BY_CLASS))
     monkeypatch.setattr(registry, "_ROWS_BY_MODEL_TYPE", dict(registry._ROWS_BY_MODEL_TYPE))
+
+
+class NoProjectionLlama(transformers.LlamaForCausalLM):
+    """A model whose get_output_embeddings() names nothing: derivation cannot find its head."""
+
+    def get_output_embeddings(self):
+        return None
+
+
+def test_model_without_an_output_projection_is_refused_naming_the_fix():
+    model = NoProjectionLlama(tiny_model("llama").config)
+    refusal = r"NoProjectionLlama.*get_output_embeddings.*ModelSpec\(head="
+    with pytest.raises(lp.UnsupportedModelError, match=refusal):
+        lp.apply_liger_to(model)
+    with pytest.warns(UserWarning, match="NoProjectionLlama.*left unpatched"):
+        assert lp.apply_liger_to(model, strict=False) is model
+    assert not is_liger_forward(model.forward)
+    with pytest.raises(lp.UnsupportedModelError, match="no_such_model"):
+        lp.apply_liger_to("no_such_model")
+
+
+def test_model_whose_forward_takes_no_labels_is_refused():
+    class NoLabels(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask)
+
+    with pytest.raises(lp.UnsupportedModelError, match="NoLabels.forward takes no labels"):
+        lp.apply_liger_to(NoLabels)
+
+
+def test_register_model_names_the_head_and_wins_over_derivation(scratch_registry):
+    row = lp.ModelSpec(model_type="no_projection", class_name="", head="lm_head")
+    spec = lp.register_model(NoProjectionLlama, row)
+    assert spec.class_name == "NoProjectionLlama" and not spec.derived
+    assert lp.supported_models(derived=False) == {**BUILTIN, "no_projection": spec}
+    llama = tiny_model("llama")
+    reference = NoProjectionLlama(llama.config).train().to(llama.lm_head.weight)
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    batch = make_batch()
+    out = patched(**batch)
+    assert out.logits is None
+    tol = tolerances(device_and_dtype()[1]).loss
+    torch.testing.assert_close(out.loss, reference(**batch).loss, rtol=tol, atol=tol)
 
 
 def tiny_gpt2(cls, seed: int = 0):
@@ -232,21 +161,13 @@ def tiny_gpt2(cls, seed: int = 0):
     return cls(config).train()
 
 
-def test_unregistered_model_hint_names_the_paths_it_really_has(scratch_registry):
-    class MyGPT2(transformers.GPT2LMHeadModel):  # no registry row (GPT-2 has none either)
+def test_users_subclass_of_a_transformers_model_patches_with_no_registration(scratch_registry):
+    class MyGPT2(transformers.GPT2LMHeadModel):  # decoder body ``transformer``, head found by derivation
         pass
 
-    assert "gpt2" not in lp.supported_models()
+    assert lp.supported_models(derived=False) == BUILTIN
     model = tiny_gpt2(MyGPT2, seed=1)
     reference = copy.deepcopy(model)
-    with pytest.raises(lp.UnsupportedModelError) as refused:
-        lp.apply_liger_to(model)
-    message = str(refused.value)
-    assert "body='transformer', head='lm_head'" in message
-    assert "guessed" not in message  # read from the instance, not guessed
-    # The suggestion, pasted as it is, patches the model and gives the unpatched loss.
-    suggestion = re.search(r"liger_patch\.register_model\(.*?\)\)", message).group(0)
-    exec(suggestion, {"liger_patch": lp, "MyGPT2": MyGPT2})
     lp.apply_liger_to(model)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
     out = model(input_ids=ids, labels=ids)
@@ -254,17 +175,7 @@ def test_unregistered_model_hint_names_the_paths_it_really_has(scratch_registry)
     torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-5)
 
 
-def test_unregistered_class_hint_says_what_it_guessed():
-    class MyGPT2(transformers.GPT2LMHeadModel):
-        pass
-
-    with pytest.raises(lp.UnsupportedModelError, match=r"body='transformer', head='lm_head'\)\) \(guessed"):
-        lp.apply_liger_to(MyGPT2)
-
-
-@pytest.mark.parametrize(
-    ("role", "path"), [("body", "nonexistent"), ("head", "output"), ("body", "model.decoder")]
-)
+@pytest.mark.parametrize(("role", "path"), [("head", "output"), ("head", "model.decoder")])
 def test_registered_row_with_a_wrong_path_is_refused_at_apply(scratch_registry, role, path):
     class MyLlama(transformers.LlamaForCausalLM):
         pass
@@ -286,7 +197,7 @@ def test_class_patch_with_a_wrong_path_names_it_at_the_forward(scratch_registry)
     class MyLlama(transformers.LlamaForCausalLM):
         pass
 
-    lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", body="nonexistent"))
+    lp.register_model(MyLlama, lp.ModelSpec(model_type="my_llama", class_name="", head="nonexistent"))
     with class_patch(MyLlama):
         batch = make_batch()
         model = MyLlama(tiny_model("llama").config).train().to(batch["input_ids"].device)
@@ -309,17 +220,27 @@ def test_import_pulls_in_no_transformers():
     assert result.stdout.strip() == "[]", result.stdout
 
 
-def test_patching_after_an_instance_level_wrapper_warns():
+def test_an_instance_level_wrapper_keeps_running_on_the_fused_path():
+    """A forward already replaced on the instance (accelerate's autocast wrapper) runs on both
+    paths: the fused path runs the model's own forward through it, with the head captured."""
     model = tiny_model("llama")
-    original = model.forward
-    model.forward = lambda *a, **k: original(*a, **k)  # like accelerate's autocast wrapper
-    with pytest.warns(UserWarning, match="already replaced"):
+    original, calls = model.forward, []
+
+    def wrapper(*args, **kwargs):  # like accelerate's autocast wrapper
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         lp.apply_liger_to(model)
-    assert model(**make_batch()).logits is None
+        assert model(**make_batch()).logits is None
+    assert len(calls) == 1
     lp.revert_liger(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model(**make_batch()).logits is not None
+    assert len(calls) == 2
 
 
 def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
@@ -403,17 +324,22 @@ def test_signatures_and_docs_list_the_options():
         assert all(f"{name}: " in entry.__doc__ for name in taken), entry
 
 
-def test_every_option_the_forward_sets_is_set_per_call():
+def test_every_option_the_forward_sets_is_set_per_call(monkeypatch):
     """FORWARD_SETS (refused at apply) is exactly what the forward passes the op per call."""
     from liger_patch.patching import forward
-    from liger_patch.patching.call import pop_loss_fields
-    from liger_patch.patching.state import patch_state
 
+    seen = []
+    real = forward.fused_head_loss
+
+    def spy(*args, **kwargs):
+        seen.append(set(kwargs) - {"options", "num_items_in_batch"})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "fused_head_loss", spy)
     model = tiny_model("llama")
     lp.apply_liger_to(model)
-    state = patch_state(model)
-    fields = pop_loss_fields(dict(make_batch()), model.config)
-    assert tuple(forward._per_call_options(state, fields, model.config)) == forward.FORWARD_SETS
+    model(**make_batch())
+    assert seen == [set(forward.FORWARD_SETS)]
 
 
 def test_patch_state_reads_through_wrappers():

@@ -1,0 +1,137 @@
+"""Building a tiny random model: of a model type's default config, or of a user's config."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from transformers import PretrainedConfig
+
+from liger_patch.patching.tiny.config_tree import model_type_of
+from liger_patch.patching.tiny.configs import tiny_config
+from liger_patch.patching.tiny.errors import TinyModelError, short
+from liger_patch.patching.tiny.overrides import DEFAULT_KWARGS, REFUSED
+from liger_patch.patching.tiny.tasks import CAUSAL_LM, IMAGE_TEXT_TO_TEXT, config_class_of, model_class
+
+
+def tiny_model(model_type: str, task: str = CAUSAL_LM, *, seed: int = 0) -> nn.Module:
+    """A tiny random model of ``model_type`` for ``task``: the class the auto mapping names,
+    built from the shrunk default config after ``torch.manual_seed(seed)``, float32, eager
+    attention where accepted, dropout and router noise off, in train mode."""
+    if model_type in REFUSED:
+        raise TinyModelError(f"{model_type}: {REFUSED[model_type]}")
+    cls = model_class(model_type, task)
+    if "labels" not in inspect.signature(cls.forward).parameters:
+        raise TinyModelError(
+            f"{model_type}: {cls.__name__}.forward takes no labels, so it computes no LM loss"
+        )
+    return tiny_model_from_config(_default_config(model_type, cls), cls, seed=seed)
+
+
+def _default_config(model_type: str, cls: type) -> PretrainedConfig:
+    """The type's default config; when that cannot be built bare (composite configs of older
+    versions insist on their parts), the class's own config or a stock encoder/decoder pair."""
+    attempts: list[Callable[[], PretrainedConfig]] = [
+        lambda: config_class_of(model_type)(**DEFAULT_KWARGS.get(model_type, {}))
+    ]
+    if getattr(cls, "config_class", None) not in (None, config_class_of(model_type)):
+        attempts.append(cls.config_class)
+    if hasattr(config_class_of(model_type), "from_encoder_decoder_configs"):
+        attempts.append(lambda: _encoder_decoder_config(model_type))
+    errors = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for attempt in attempts:
+            try:
+                return attempt()
+            except Exception as err:
+                errors.append(short(err))
+    raise TinyModelError(f"{model_type}: default config fails: {errors[0]}")
+
+
+def _encoder_decoder_config(model_type: str) -> PretrainedConfig:
+    """A vision encoder-decoder config from stock parts (ViT encoder, BERT decoder)."""
+    from transformers import AutoConfig
+
+    encoder = AutoConfig.for_model("vit")
+    decoder = AutoConfig.for_model("bert", is_decoder=True, add_cross_attention=True)
+    return config_class_of(model_type).from_encoder_decoder_configs(encoder, decoder)
+
+
+def tiny_model_from_config(config: PretrainedConfig, cls: type | None = None, *, seed: int = 0) -> nn.Module:
+    """A tiny random model shaped like ``config`` (shrunk), of class ``cls``.
+
+    ``cls`` defaults to the causal-LM class of the config's type, or its image-text-to-text
+    class when the config has a ``vision_config``.
+    """
+    model_type = model_type_of(config)
+    if cls is None:
+        task = IMAGE_TEXT_TO_TEXT if getattr(config, "vision_config", None) is not None else CAUSAL_LM
+        cls = model_class(model_type, task)
+    small = _config_for_class(cls, tiny_config(config))
+    model = _build_or_explain(cls, small, seed, model_type)
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        model = model.float()
+    return model.train()
+
+
+def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type: str) -> nn.Module:
+    """The model with eager attention, else with its default attention; a model that does not
+    build either way raises :class:`TinyModelError` saying why (a missing package, the error)."""
+    try:
+        return _build(cls, config, seed, eager=True)
+    except ImportError as err:
+        raise TinyModelError(f"{model_type}: needs {_missing_packages(err)}, not installed") from err
+    except Exception as err:
+        try:  # a model that rejects eager attention keeps its default
+            return _build(cls, config, seed, eager=False)
+        except Exception:
+            raise TinyModelError(f"{model_type}: {cls.__name__} does not build: {short(err)}") from err
+
+
+def _build(cls: type, config: PretrainedConfig, seed: int, *, eager: bool) -> nn.Module:
+    """``cls(config)`` with the seed set, optionally asking for eager attention."""
+    config = copy.deepcopy(config)
+    if eager:
+        _set_eager(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(seed)
+        return cls(config)
+
+
+def _missing_packages(err: ImportError) -> str:
+    """The packages an import error names ("the timm library", ``No module named 'scipy'``)."""
+    names = re.findall(r"requires the (\S+) library", str(err)) or [err.name or short(err)]
+    return " and ".join(dict.fromkeys(names))
+
+
+def _config_for_class(cls: type, config: PretrainedConfig) -> PretrainedConfig:
+    """The (sub)config ``cls`` is built from: a text-only class of a multimodal type takes the
+    text config, as the auto classes do."""
+    wanted = getattr(cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    return next((sub for sub in _config_tree(config) if isinstance(sub, wanted)), config)
+
+
+def _set_eager(config: PretrainedConfig) -> None:
+    """Ask for eager attention in the config and its sub-configs (plain torch, deterministic)."""
+    for cfg in _config_tree(config):
+        with contextlib.suppress(Exception):  # a config that refuses keeps its default attention
+            cfg._attn_implementation = "eager"
+
+
+def _config_tree(config: PretrainedConfig) -> Iterator[PretrainedConfig]:
+    """``config`` and its nested sub-config objects."""
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            yield from _config_tree(sub)

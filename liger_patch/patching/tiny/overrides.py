@@ -1,0 +1,137 @@
+"""Per-type config knowledge the generic rules cannot guess, as data.
+
+Values set on a type's shrunk (sub)config, keyword arguments its bare default config needs,
+multimodal RoPE sections for the tiny head dim, special token ids the modeling code reads but
+the default leaves unset, and the types that cannot run here at all (with the reason). The
+per-type fixes that are code rather than values are in ``config_fixes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from liger_patch.patching.tiny.sizes import (
+    EXPERTS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    PATCHES_PER_SIDE,
+    ROPE_HEAD_DIM,
+    TOP_K,
+)
+
+# Per-type values the generic rules cannot guess, applied to the (sub)config of that
+# ``model_type`` after the rules; dotted keys reach into nested sub-config dicts.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # default configs that leave required values to the checkpoint
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+        }
+    },
+    "dbrx": {"attn_config.rope_theta": 1e4, "attn_config.clip_qkv": 8.0},
+    "dots3_note_text": {"head_dim": HEAD_DIM + ROPE_HEAD_DIM},
+    "dots1": {"n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K, "n_shared_experts": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": HEAD_DIM,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    # LSH / local attention chunks must divide the sequence; axial positions multiply to it
+    "reformer": {
+        "is_decoder": True,
+        "local_attn_chunk_length": 8,
+        "lsh_attn_chunk_length": 8,
+        "axial_pos_shape": [4, 4],
+        "axial_pos_embds_dim": [16, 48],
+        "max_position_embeddings": 16,
+    },
+    "xmod": {"default_language": "en_XX"},
+    # hybrids whose layer kinds repeat with a period longer than two layers: one of each
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+    },
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # Evolla (4.x) runs its decoder through an eager attention without key/value head repeat
+    "evolla": {"num_key_value_heads": HEADS},
+    "transfo_xl": {"cutoffs": [64, 128], "tie_projs": [False, True, True], "div_val": 1},
+    "step3p5": {"sliding_window": 16},
+    "step3p7": {"sliding_window": 16},
+    # Aria's projector maps a patch count to a query count: 16 patches (4 x 4) -> 4 queries
+    "aria": {"projector_patch_to_query_dict": {"16": 4}},
+    # Granite 4 vision: one deep-stack injection, spatial groups into the 2-layer LM
+    "granite4_vision": {
+        "downsample_rate": "1/2",
+        "deepstack_layer_map": [[-1, 0]],
+        "spatial_target_layers": [1, 1, 1, 1],
+    },
+    # Molmo 2's ViT adds one position embedding per patch: the patch count is fixed by it
+    "molmo2_vision": {"num_position_embeddings": PATCHES_PER_SIDE**2},
+    # the projector reads the 2 x 2 merged vision features
+    "muse_glimmer": {"out_hidden_size": 4 * HIDDEN},
+    "muse_spark": {"out_hidden_size": 4 * HIDDEN},
+    # Mllama concatenates the last layer with the kept intermediate one (one, after the cut)
+    "mllama_vision_model": {"vision_output_dim": 2 * HIDDEN},
+    # Llama 4's pixel shuffle (ratio 0.5) makes 4 * hidden channels for the adapter MLP
+    "llama4_vision_model": {
+        "intermediate_size": 4 * HIDDEN,
+        "projector_input_dim": HIDDEN,
+        "projector_output_dim": HIDDEN,
+        "vision_output_dim": HIDDEN,
+    },
+}
+
+
+# Keyword arguments for a type's default config where the bare default does not validate.
+DEFAULT_KWARGS: dict[str, dict[str, Any]] = {
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    # towers that are optional and absent by default (Phi-4 multimodal: in 4.x), built with defaults
+    "gemma4": {"vision_config": {}},
+    "gemma4_unified": {"vision_config": {}},
+    "phi4_multimodal": {"vision_config": {}, "audio_config": {}},
+}
+
+
+# Multimodal RoPE sections (temporal, height, width) for the tiny head dim, per text config type:
+# the modeling code falls back to sections sized for the original head dim when none are set.
+MROPE_SECTIONS: dict[str, list[int]] = {
+    **dict.fromkeys(
+        (
+            "qwen2_vl_text",
+            "qwen2_5_vl_text",
+            "paddleocr_vl_text",
+            "qwen2_5_omni_text",
+            "glm4v_text",
+            "glm_ocr_text",
+        ),
+        [2, 3, 3],
+    ),
+    **dict.fromkeys(("qwen3_vl_text", "qwen3_vl_moe_text"), [3, 3, 2]),
+    "hunyuan_vl_text": [2, 2, 2, 2],
+    "ernie4_5_vl_moe_text": [3, 3, 2],
+    # partial rotary (half the head dim)
+    **dict.fromkeys(("glm4v_moe_text", "glm4vmoe_text"), [1, 1, 2]),
+}
+
+
+# Special token ids the modeling code reads but the default config does not define.
+NEEDED_TOKEN_IDS: dict[str, tuple[str, ...]] = {
+    "qwen2_5_omni_thinker": ("vision_start_token_id",),
+    "qwen3_omni_moe_thinker": ("vision_start_token_id",),
+    "udop": ("decoder_start_token_id",),
+    "kosmos_2": ("image_token_id",),
+    "instructblipvideo": ("video_token_index",),
+    "vision_encoder_decoder": ("pad_token_id", "decoder_start_token_id"),
+}
+
+
+# Types that cannot run on a CPU machine without internet, with the reason.
+REFUSED: dict[str, str] = {
+    "gemma3n": "the vision tower is a timm model (TimmWrapperModel), which needs timm and a hub download",
+}

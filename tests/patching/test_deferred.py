@@ -1,0 +1,265 @@
+"""Deferred logits: every op a forward applies to its logits is either reproduced exactly by the
+fused loss (checked against an fp64 dense reference, gradients included) or refused by name."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_patch.ops.options import LossOptions
+from liger_patch.patching.deferred import (
+    DeferredLogits,
+    FusedCall,
+    HeadCapture,
+    UnfusableLogitsUse,
+    causal_lm_loss,
+    replace_deferred,
+)
+from liger_patch.patching.forward import _head_loss
+from liger_patch.patching.registry import ModelSpec
+from liger_patch.patching.state import PatchState
+
+H, V = 24, 37  # sizes that divide no block size
+
+
+def make_head(bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    head = nn.Linear(H, V, bias=bias)
+    with torch.no_grad():
+        head.weight.mul_(3.0)
+    return head
+
+
+def make_capture(head: nn.Module, **options) -> tuple[HeadCapture, FusedCall]:
+    state = PatchState(ModelSpec("test", "Test"), LossOptions(**options))
+    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state))
+    return HeadCapture(head, call), call
+
+
+def hidden_states(shape=(3, 7), seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, H, generator=g, dtype=torch.float32).requires_grad_()
+
+
+def labels_for(shape=(3, 7), seed: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, shape, generator=g)
+    labels[0, 0] = labels[1, -1] = labels[-1, shape[1] // 2] = -100  # first, last, middle
+    return labels
+
+
+def dense_reference(head, hidden, ops, loss) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The same ops on real fp64 logits, loss and gradients w.r.t. hidden, weight, bias."""
+    h = hidden.detach().double().requires_grad_()
+    w = head.weight.detach().double().requires_grad_()
+    b = head.bias.detach().double().requires_grad_() if head.bias is not None else None
+    value = loss(ops(F.linear(h, w, b)))
+    value.backward()
+    return value.detach(), [t.grad for t in (h, w, b) if t is not None]
+
+
+def dense_causal(logits, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+    """transformers' causal-LM loss written out in the logits' own dtype (fp64 here; the
+    library's version upcasts to fp32)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat, targets = logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat, targets, ignore_index=ignore_index)
+    return F.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+
+
+def fused_grads(head, hidden) -> list[torch.Tensor]:
+    return [t.grad.double() for t in (hidden, head.weight, head.bias) if t is not None]
+
+
+SOFTCAP_FORMS = {
+    "gemma": lambda x: torch.tanh(x / 3.0) * 3.0,
+    "recurrent_gemma": lambda x: F.tanh(x / 3.0) * 3.0,
+    "method": lambda x: (x / 3.0).tanh() * 3.0,
+    "scaled_then_capped": lambda x: torch.tanh((x * 0.5) / 3.0) * 3.0,
+    "cohere_scale": lambda x: x * 0.0625,
+    "granite_divisor": lambda x: x / 4.0,
+    "tensor_scale": lambda x: x * torch.tensor(0.25),
+    "left_tensor_scale": lambda x: torch.tensor(0.25) * x,
+    "contiguous": lambda x: x.contiguous() / 2.0,
+    "none": lambda x: x,
+}
+
+
+@pytest.mark.parametrize("form", SOFTCAP_FORMS, ids=str)
+def test_head_math_forms_match_the_dense_fp64_loss(form):
+    ops = SOFTCAP_FORMS[form]
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    loss = causal_lm_loss(ops(capture(hidden)), labels, V)
+    loss.backward()
+    expected, grads = dense_reference(head, hidden, ops, lambda logits: dense_causal(logits, labels))
+    assert call.head_calls == 1 and call.losses == 1
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_grads(head, hidden), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    before=st.lists(st.tuples(st.sampled_from(["mul", "div"]), st.floats(0.25, 4.0)), max_size=3),
+    cap=st.one_of(st.none(), st.floats(0.5, 30.0)),
+    after=st.floats(0.5, 2.0),
+)
+def test_any_chain_of_scales_and_one_softcap_is_exact(before, cap, after):
+    def ops(x):
+        for kind, value in before:
+            x = x * value if kind == "mul" else x / value
+        if cap is not None:
+            x = torch.tanh(x / cap) * cap * after
+        return x
+
+    head = make_head(bias=False, seed=3)
+    capture, _ = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    loss = causal_lm_loss(ops(capture(hidden)), labels, V)
+    expected, _ = dense_reference(head, hidden, ops, lambda logits: dense_causal(logits, labels))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_loss_module_on_flattened_logits_is_unshifted_and_exact():
+    """bart / whisper / xlnet style: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``."""
+    head = make_head()
+    for reduction in ("mean", "sum", "none"):
+        capture, _ = make_capture(head)
+        hidden, labels = hidden_states(), labels_for()
+        loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+        loss = loss_fn(capture(hidden).view(-1, V), labels.view(-1))
+        dense = F.linear(hidden.double(), head.weight.double(), head.bias.double())
+        expected = F.cross_entropy(dense.view(-1, V), labels.view(-1), reduction=reduction)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_loss_arguments_as_transformers_passes_them():
+    """num_items_in_batch divides the sum; shift_labels wins over labels; ignore_index is read;
+    a batch where every label is ignored gives exactly 0 (not NaN) and zero gradients."""
+    head = make_head()
+    hidden, labels = hidden_states(), labels_for()
+    capture, _ = make_capture(head)
+    dense = F.linear(hidden.double(), head.weight.double(), head.bias.double())
+    torch.testing.assert_close(
+        causal_lm_loss(capture(hidden), labels, V, num_items_in_batch=torch.tensor(5)).double(),
+        dense_causal(dense, labels, num_items_in_batch=5),
+    )
+    shifted = labels.roll(3)
+    torch.testing.assert_close(
+        causal_lm_loss(capture(hidden), labels, V, shift_labels=shifted).double(),
+        dense_causal(dense, labels, shift_labels=shifted),
+    )
+    sevens = labels.masked_fill(labels == -100, 7)
+    torch.testing.assert_close(
+        causal_lm_loss(capture(hidden), sevens, V, ignore_index=7).double(),
+        dense_causal(dense, sevens, ignore_index=7),
+    )
+    nothing = torch.full_like(labels, -100)
+    loss = causal_lm_loss(capture(hidden), nothing, V, num_items_in_batch=0)
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad is not None and not hidden.grad.any()
+
+
+def test_token_indexing_and_reshapes_move_to_the_hidden_states():
+    """git-style ``logits[:, k:-1, :]`` and ``.contiguous().view(-1, V)`` select tokens only."""
+    head = make_head()
+    capture, _ = make_capture(head)
+    hidden = hidden_states((2, 9))
+    deferred = capture(hidden)[:, 2:-1, :].contiguous()
+    assert deferred.shape == (2, 6, V) and deferred.size(-1) == V and deferred.dim() == 3
+    torch.testing.assert_close(deferred.materialize(), head(hidden)[:, 2:-1, :])
+    assert capture(hidden)[1].shape == (9, V)
+    torch.testing.assert_close(capture(hidden)[..., :-1, :].materialize(), head(hidden)[..., :-1, :])
+    assert capture(hidden).reshape(-1, V).shape == (18, V)
+    assert capture(hidden).view(2, -1, V).shape == (2, 9, V) and capture(hidden).view(2, 9, -1).shape == (
+        2,
+        9,
+        V,
+    )
+
+
+@pytest.mark.parametrize(
+    ("use", "named"),
+    [
+        (lambda x: x[..., :5], "vocabulary|indexes"),
+        (lambda x: x[:, :, :5], "vocabulary"),
+        (lambda x: x.transpose(1, 2), "logits.transpose"),
+        (lambda x: torch.log_softmax(x, -1), "log_softmax"),
+        (lambda x: x + 1.0, "__add__"),
+        (lambda x: x - torch.ones(1), "__sub__|sub"),
+        (lambda x: len(x), "__len__"),
+        (lambda x: x * nn.Parameter(torch.tensor(2.0)), "learnable"),
+        (lambda x: x * torch.ones(V), "not a scalar"),
+        (lambda x: torch.tanh(torch.tanh(x)) * 2.0, "twice"),
+        (lambda x: torch.tanh(x) * -2.0, "softcap must be > 0"),
+        (lambda x: x.view(-1), "last dimension"),
+        (lambda x: x.view(3, -1), "last dimension"),
+        (lambda x: x.to("meta"), "moves the logits"),
+        (lambda x: bool(x), "truth value"),
+        (
+            lambda x: F.cross_entropy(x.view(-1, V), torch.zeros(21, dtype=torch.long), weight=torch.ones(V)),
+            "weights",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_every_other_use_of_the_logits_is_refused_by_name(use, named):
+    capture, _ = make_capture(make_head())
+    deferred = capture(hidden_states())
+    with pytest.raises(UnfusableLogitsUse, match=named):
+        result = use(deferred)
+        if isinstance(result, DeferredLogits):
+            result.loss_math()
+
+
+def test_vocab_size_other_than_the_head_is_refused():
+    capture, _ = make_capture(make_head())
+    with pytest.raises(UnfusableLogitsUse, match="vocab_size=40"):
+        causal_lm_loss(capture(hidden_states()), labels_for(), 40)
+
+
+def test_casts_are_recorded_and_replayed():
+    head = make_head()
+    capture, _ = make_capture(head)
+    hidden = hidden_states().bfloat16()
+    deferred = capture(hidden)
+    assert deferred.dtype == torch.bfloat16 and deferred.float().dtype == torch.float32
+    assert deferred.to(torch.float32).dtype == torch.float32
+    assert deferred.to(hidden).dtype == torch.bfloat16 and deferred.to("cpu").dtype == torch.bfloat16
+    head16 = make_head().bfloat16()
+    capture16, _ = make_capture(head16)
+    assert torch.equal(capture16(hidden).float().materialize(), head16(hidden).float())
+
+
+def test_replay_matches_the_original_op_order_bit_for_bit():
+    head = make_head()
+    capture, _ = make_capture(head)
+    hidden = hidden_states()
+    ops = SOFTCAP_FORMS["gemma"]
+    assert torch.equal(ops(capture(hidden)).materialize(), ops(head(hidden)))
+    output = (torch.tensor(1.0), ops(capture(hidden)), None)
+    assert replace_deferred(output, materialize=False)[1] is None
+    assert torch.equal(replace_deferred(output, materialize=True)[1], ops(head(hidden)))
+
+
+def test_z_loss_is_returned_to_the_call_record():
+    head = make_head()
+    capture, call = make_capture(head, z_loss_scale=1e-2)
+    hidden, labels = hidden_states(), labels_for()
+    loss = causal_lm_loss(capture(hidden), labels, V)
+    dense = F.linear(hidden.double(), head.weight.double(), head.bias.double())
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+    kept = dense.reshape(-1, V)[targets != -100]
+    z = 1e-2 * (torch.logsumexp(kept, -1) ** 2).mean()
+    torch.testing.assert_close(call.z_losses[0].double(), z, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss.double(), F.cross_entropy(kept, targets[targets != -100]) + z)

@@ -1,0 +1,127 @@
+"""Tiny random models and batches of any model type (liger_patch.patching.tiny).
+
+A handful of representative types: a dense and a mixture-of-experts causal LM, and three
+vision-language layouts (Gemma 3 pooled patches, LLaVA placeholders, Qwen2-VL patch grids).
+Each builds, its batch ignores the first / middle / last position of every row, one training
+step gives a finite loss and gradients, and the same seed gives the same loss twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_patch.patching import tiny
+
+CASES = [
+    ("llama", tiny.CAUSAL_LM),
+    ("qwen3_moe", tiny.CAUSAL_LM),
+    ("gemma3", tiny.IMAGE_TEXT_TO_TEXT),
+    ("llava", tiny.IMAGE_TEXT_TO_TEXT),
+    ("qwen2_vl", tiny.IMAGE_TEXT_TO_TEXT),
+]
+IDS = [f"{task}:{model_type}" for model_type, task in CASES]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Ops this small gain nothing from threads, and on a busy CPU the thread hand-offs cost
+    100x the work; restore the setting for the other test modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(model_type: str, task: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model, skipping a type the installed transformers does not have."""
+    if model_type not in tiny.model_types(task):
+        pytest.skip(f"transformers has no {task} class for {model_type}")
+    return tiny.tiny_model(model_type, task, seed=seed)
+
+
+def _loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    """The training loss of one forward on the example batch."""
+    return model(**tiny.example_batch(model, seed=seed)).loss
+
+
+def test_model_types_are_sorted_and_known():
+    for task in (tiny.CAUSAL_LM, tiny.IMAGE_TEXT_TO_TEXT):
+        types = tiny.model_types(task)
+        assert types == sorted(types)
+        assert len(types) > 20
+    assert "llama" in tiny.model_types(tiny.CAUSAL_LM)
+    assert tiny.model_class("llama", tiny.CAUSAL_LM).__name__ == "LlamaForCausalLM"
+
+
+def test_unknown_type_and_task_are_refused():
+    with pytest.raises(tiny.TinyModelError, match="no-such-type"):
+        tiny.model_class("no-such-type", tiny.CAUSAL_LM)
+    with pytest.raises(ValueError, match="unknown task"):
+        tiny.model_types("fill-mask")
+
+
+def test_tiny_config_shrinks_nested_configs():
+    from transformers import AutoConfig
+
+    config = tiny.tiny_config(AutoConfig.for_model("llava"))
+    assert config.text_config.hidden_size <= 64
+    assert config.text_config.num_hidden_layers == 2
+    assert config.vision_config.hidden_size <= 64
+    assert config.vision_config.num_hidden_layers == 2
+    assert 0 <= config.image_token_id < config.text_config.vocab_size <= 300
+
+
+@pytest.mark.parametrize(("model_type", "task"), CASES, ids=IDS)
+def test_batch_ignores_first_middle_last(model_type, task):
+    model = _model(model_type, task)
+    batch = tiny.example_batch(model, batch_size=2, seq_len=16)
+    labels = batch["labels"]
+    length = labels.shape[1]
+    assert labels.dtype == torch.int64 and batch["input_ids"].shape == labels.shape
+    assert (labels[:, [0, length // 2, length - 1]] == -100).all()
+    assert (labels != -100).any(dim=1).all()
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert value.dtype == torch.float32
+    if task == tiny.IMAGE_TEXT_TO_TEXT:
+        assert "pixel_values" in batch
+        placeholders = batch["input_ids"] == model.config.image_token_id
+        assert placeholders.any(dim=1).all()
+        assert (labels[placeholders] == -100).all()
+
+
+@pytest.mark.parametrize(("model_type", "task"), CASES, ids=IDS)
+def test_training_step(model_type, task):
+    model = _model(model_type, task)
+    assert model.training
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    loss = _loss(model)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize(("model_type", "task"), CASES, ids=IDS)
+def test_same_seed_same_loss(model_type, task):
+    first = _loss(_model(model_type, task, seed=3), seed=5)
+    second = _loss(_model(model_type, task, seed=3), seed=5)
+    assert torch.equal(first, second)
+    other = _loss(_model(model_type, task, seed=4), seed=5)
+    assert not torch.equal(first, other)
+
+
+def test_tiny_model_from_config_picks_the_class():
+    from transformers import AutoConfig
+
+    model = tiny.tiny_model_from_config(AutoConfig.for_model("llava"))
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    model = tiny.tiny_model_from_config(AutoConfig.for_model("llama"), seed=1)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert torch.isfinite(_loss(model))
+
+
+def test_refusal_names_the_type():
+    with pytest.raises(tiny.TinyModelError, match="gemma3n"):
+        tiny.tiny_model("gemma3n", tiny.IMAGE_TEXT_TO_TEXT)
