@@ -83,12 +83,21 @@ def _expand_ellipsis(index: tuple, ndim: int) -> tuple:
 
 
 def _resolve_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...] | None:
-    """``shape`` with its one ``-1`` worked out for ``numel`` elements; ``None`` if none fits."""
-    known = math.prod(n for n in shape if n != -1)
-    if shape.count(-1) > 1 or known <= 0 or numel % known:
+    """``shape`` with its one ``-1`` worked out for ``numel`` elements; ``None`` if none fits.
+    (Plain loops, no generators: torch.compile traces them.)"""
+    known, unknown = 1, 0
+    for n in shape:
+        if n == -1:
+            unknown += 1
+        else:
+            known *= n
+    if unknown > 1 or known <= 0 or numel % known:
         return None
-    resolved = tuple(numel // known if n == -1 else n for n in shape)
-    return resolved if math.prod(resolved) == numel else None
+    resolved = tuple(numel // known if n == -1 else n for n in shape) if unknown else shape
+    total = 1
+    for n in resolved:
+        total *= n
+    return resolved if total == numel else None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -166,7 +175,7 @@ class DeferredLogits:
         """Reshape the token dimensions; the vocabulary must stay the last dimension, whole."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        resolved = _resolve_shape(tuple(int(n) for n in shape), self.numel())
+        resolved = _resolve_shape(tuple(map(int, shape)), self.numel())
         vocab = self.shape[-1]
         if resolved is None or len(resolved) < 2 or resolved[-1] != vocab:
             raise UnfusableLogitsUse(
