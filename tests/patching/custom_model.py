@@ -20,6 +20,7 @@ class TinyMlpConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.logit_scale = logit_scale
+        kwargs.setdefault("tie_word_embeddings", False)  # 4.57 would tie by default
         super().__init__(**kwargs)
 
 
@@ -50,6 +51,9 @@ class TinyMlpForCausalLM(PreTrainedModel):
         self.model = TinyMlpModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
