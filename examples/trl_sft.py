@@ -21,16 +21,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Trainer
+from tiny_trl import arithmetic_chats, tiny_model, tiny_tokenizer
+from transformers import Trainer
 from trl import SFTConfig, SFTTrainer
 
 from liger_patch import LigerPatchCallback
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 class FusedLossSFTTrainer(SFTTrainer):
@@ -41,55 +36,6 @@ class FusedLossSFTTrainer(SFTTrainer):
         return Trainer.compute_loss(
             self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (256 bytes + 3 special tokens) with a chat template, built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", *sorted(alphabet)])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
-def tiny_model():
-    """A tiny random Llama whose vocabulary covers ``tiny_tokenizer``."""
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return AutoModelForCausalLM.from_config(config)
-
-
-def arithmetic_chats(n: int) -> Dataset:
-    """``n`` two-turn conversations in TRL's conversational format."""
-    return Dataset.from_list(
-        [
-            {
-                "messages": [
-                    {"role": "user", "content": f"What is {i} + {i}?"},
-                    {"role": "assistant", "content": f"{i} + {i} = {2 * i}."},
-                ]
-            }
-            for i in range(n)
-        ]
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,12 @@
 
 from typing import Any
 
-from liger_patch.ops import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from liger_patch.ops import (
+    FusedLinearCrossEntropyLoss,
+    LogProbs,
+    fused_linear_cross_entropy,
+    fused_linear_logprobs,
+)
 from liger_patch.patching import (
     ModelSpec,
     UnsupportedModelError,
@@ -20,7 +25,7 @@ def __getattr__(name: str) -> Any:
     # The Trainer callback pulls in transformers' Trainer stack (seconds of imports): load it only
     # when it is asked for.
     if name == "LigerPatchCallback":
-        from liger_patch.integrations import LigerPatchCallback
+        from liger_patch.integrations.trainer import LigerPatchCallback
 
         return LigerPatchCallback
     raise AttributeError(f"module 'liger_patch' has no attribute {name!r}")
@@ -29,11 +34,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "FusedLinearCrossEntropyLoss",
     "LigerPatchCallback",
+    "LogProbs",
     "ModelSpec",
     "UnsupportedModelError",
     "__version__",
     "apply_liger_to",
     "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
     "liger_patched",
     "register_model",
     "revert_liger",

@@ -185,14 +185,19 @@ def upstream_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(t.shape, generator=gen, dtype=torch.float64)
 
 
-def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+def assert_close(
+    name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float, floor: float = 0.0
+) -> None:
+    """``actual`` equals ``expected`` to ``tol`` relative to the largest expected magnitude; the
+    absolute tolerance is at least ``floor`` (for values formed by cancellation, such as a loss
+    far below the logits it is the difference of)."""
     assert actual is not None, f"{name}: got None"
     a = actual.detach().cpu().to(torch.float64)
     e = expected.detach().cpu().to(torch.float64)
     assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != reference {tuple(e.shape)}"
     assert torch.isfinite(a).all(), f"{name}: non-finite values"
     scale = float(e.abs().max()) if e.numel() else 0.0
-    atol = tol * max(scale, 1e-6)
+    atol = max(tol * max(scale, 1e-6), floor)
     torch.testing.assert_close(a, e, rtol=tol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -237,3 +242,77 @@ def check_parity(case: Case, gen: torch.Generator, *, tol: float, z_weight=None,
         if rg is None:
             rg = torch.zeros_like(leaves[name])
         assert_close(f"grad {name}", t.grad, rg, tol)
+
+
+# ---------------------------------------------------------------- optional outputs (additive)
+
+OUTPUT_FLAGS = {
+    "z_loss": "return_z_loss",
+    "token_accuracy": "return_token_accuracy",
+    "predicted_tokens": "return_predicted_tokens",
+    "entropy": "return_entropy",
+}
+"""Each optional output of the op (in the order the named tuple lists them) and its flag."""
+
+
+def reference_outputs_for(case: Case, **opts) -> dict:
+    """Every output of the op in fp64 on CPU from one set of fp64 leaves (so gradients of any
+    combination can be compared): ``loss``, ``z_loss``, ``token_accuracy``, ``predicted_tokens``,
+    ``entropy`` (reduced as the op reduces them), and ``correct`` (per token, bool), ``logits``
+    (the final fp64 logits, tokens x V, detached) and ``leaves`` (mirroring requires_grad).
+    ``class_weight`` may be a tensor of any float dtype and layout: its values are used."""
+    from liger_patch.ops.reference import reference_token_outputs
+
+    for how_not_what in ("backend", "logits_dtype", "memory_budget", "tuning", *OUTPUT_FLAGS.values()):
+        opts.pop(how_not_what, None)
+    opts.setdefault("ignore_index", case.ignore_index)
+    leaves = {
+        k: t.detach().cpu().to(torch.float64).requires_grad_(t.requires_grad)
+        for k, t in case.tensors().items()
+    }
+    cw = opts.get("class_weight")
+    if cw is not None:
+        opts["class_weight"] = cw.detach().cpu().to(torch.float64)
+    labels = case.labels.cpu()
+    loss, z = reference_flce(leaves["hidden"], leaves["weight"], labels, leaves.get("bias"), **opts)
+    tok = reference_token_outputs(
+        leaves["hidden"],
+        leaves["weight"],
+        labels,
+        leaves.get("bias"),
+        ignore_index=opts["ignore_index"],
+        softcap=opts.get("softcap"),
+        logit_scale=opts.get("logit_scale"),
+    )
+    reduction = opts.get("reduction", "mean")
+    correct = tok.correct.to(torch.float64)
+    entropy = tok.entropy
+    if reduction != "none":
+        kept = case.n_kept
+        correct = correct.sum() / kept if kept else correct.sum() * 0.0
+        entropy = entropy.sum() / kept if kept else entropy.sum() * 0.0
+    return {
+        "loss": loss,
+        "z_loss": z,
+        "token_accuracy": correct,
+        "predicted_tokens": tok.predicted,
+        "entropy": entropy,
+        "correct": tok.correct,
+        "logits": tok.logits,
+        "leaves": leaves,
+    }
+
+
+def near_max(logits: torch.Tensor, picked: torch.Tensor, gap_tol) -> torch.Tensor:
+    """Per row: whether column ``picked`` is within ``gap_tol`` (a number or per-row tensor) of
+    the row's largest logit. ``logits`` (rows, V) fp64, ``picked`` (rows,) valid column ids."""
+    top = logits.amax(dim=-1)
+    return logits.gather(1, picked.reshape(-1, 1)).squeeze(1) >= top - gap_tol
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: largest logit minus the second largest (inf for V = 1)."""
+    if logits.shape[-1] < 2:
+        return torch.full(logits.shape[:1], float("inf"), dtype=logits.dtype)
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]

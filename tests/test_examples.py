@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+HELPERS = {"tiny_trl.py"}  # imported by the TRL examples, not run on its own
+EXAMPLES = sorted(path for path in (ROOT / "examples").glob("*.py") if path.name not in HELPERS)
 # Packages an example needs beyond the `test` extra, with how to get them.
 NEEDS = {"trl_sft.py": ("trl", 'trl is not installed (pip install -e ".[examples]")')}
 LOSS = re.compile(r"\bloss:?\s+([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))", re.IGNORECASE)

@@ -14,8 +14,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from liger_patch.integrations.trl import installed as trl_head_installed
 from liger_patch.patching.apply import apply_liger_to, checked_options, options_signature, with_options_doc
-from liger_patch.patching.state import patch_state
+from liger_patch.patching.forward import bypass_message
+from liger_patch.patching.state import LigerBypassWarning, PatchState, base_model_of, patch_state
 
 __all__ = ["LigerPatchCallback"]
 
@@ -48,10 +50,20 @@ class LigerPatchCallback(TrainerCallback):
         apply_liger_to(model, strict=self.strict, **self.options)
         return control
 
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        patch = patch_state(model)
+        if patch is not None:
+            patch.fused_ran = False
+        return control
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         patch = patch_state(model)
         if patch is not None:
             patch.z_loss_tracker.end_step()
+            if not patch.fused_ran and not patch.warned_bypass:
+                patch.warned_bypass = True
+                message = bypass_message(model, _why_bypassed(model, patch))
+                warnings.warn(message, LigerBypassWarning, stacklevel=2)
         return control
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
@@ -66,6 +78,25 @@ class LigerPatchCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
             state.log_history[-1]["z_loss"] = z_loss
         return control
+
+
+def _why_bypassed(model: Any, patch: PatchState) -> str:
+    """What is known of why a training step ran without the fused op."""
+    if patch.bypass_reason is not None:
+        return patch.bypass_reason
+    forward = getattr(base_model_of(model), "forward", None)
+    name = getattr(getattr(forward, "__func__", forward), "__qualname__", "")
+    if "add_fused_lm_head" in name and not trl_head_installed():
+        return (
+            "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head) computed it with TRL's own "
+            "kernel, and liger_patch's hook on that kernel is not installed (call apply_liger_to "
+            "after importing trl, or use LigerPatchCallback)"
+        )
+    return (
+        "a whole training step ran and the model was never called with labels in training mode; "
+        "something else computed the loss (another fused head such as liger-kernel's or Unsloth's, "
+        "a trainer calling the decoder body directly, or a wrapper around a different model)"
+    )
 
 
 LigerPatchCallback.__init__.__signature__ = options_signature(

@@ -27,6 +27,7 @@ import torch
 from liger_patch.ops.backends import Backend
 from liger_patch.ops.budget import ALIGN, ChunkPlan, ChunkShape, plan_chunks
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 
 
 @dataclass
@@ -36,6 +37,26 @@ class ChunkResult:
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
     grad_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _RowRecords:
+    """The row kernel's extra records of one call (``row_io``), whole-length."""
+
+    class_weight: ClassWeight | None
+    outputs: RowOutputs | None
+    entropy_grad: EntropyGrad | None
+
+    def for_rows(self, start: int, stop: int) -> dict:
+        """Keyword arguments of the row kernel for token rows ``[start, stop)``."""
+        out = {}
+        if self.class_weight is not None:
+            out["class_weight"] = self.class_weight
+        if self.outputs is not None and self.outputs.any():
+            out["outputs"] = self.outputs.rows(start, stop)
+        if self.entropy_grad is not None:
+            out["entropy_grad"] = self.entropy_grad.rows(start, stop)
+        return out
 
 
 def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -169,12 +190,13 @@ def _plan(
     budget_bytes: int,
     grad_weight: bool,
     lse_given: bool,
+    weighted_smoothing: bool,
 ) -> tuple[ChunkPlan, Backend | None]:
     """The chunk plan of this call, and the backend whose fused logits GEMM token chunks may use
-    (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster)."""
-    fused = (
-        backend if backend.fused_logits is not None and opts.tuning.fused_logits and not lse_given else None
-    )
+    (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster;
+    and with class weights and label smoothing, whose class-weighted logit sums the partials lack)."""
+    usable = backend.fused_logits is not None and opts.tuning.fused_logits
+    fused = backend if usable and not lse_given and not weighted_smoothing else None
     shape = ChunkShape(
         n_rows=hidden.shape[0],
         vocab=weight.shape[0],
@@ -204,6 +226,9 @@ def run_chunks(
     need_hidden: bool = False,
     need_weight: bool = False,
     need_bias: bool = False,
+    class_weight: ClassWeight | None = None,
+    outputs: RowOutputs | None = None,
+    entropy_grad: EntropyGrad | None = None,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
@@ -216,13 +241,26 @@ def run_chunks(
 
     On the token-chunk path grad_W sums one GEMM per chunk, each accumulating in fp32; across
     chunks the sum is kept in fp32 or in the weight's own dtype, as the plan says.
+
+    ``class_weight``, ``outputs`` (N,)-long per-row results to fill, and ``entropy_grad`` are the
+    row kernel's records (``row_io``), passed on chunk by chunk.
     """
     compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
     grad_weight_here = compute_grad and need_weight
     logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
+    weighted_smoothing = class_weight is not None and opts.label_smoothing != 0.0
     plan, fused = _plan(
-        backend, hidden, weight, opts, logits_dtype, budget_bytes, grad_weight_here, lse_in is not None
+        backend,
+        hidden,
+        weight,
+        opts,
+        logits_dtype,
+        budget_bytes,
+        grad_weight_here,
+        lse_in is not None,
+        weighted_smoothing,
     )
+    rows = _RowRecords(class_weight, outputs, entropy_grad)
     n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
@@ -260,11 +298,27 @@ def run_chunks(
             coef_z,
             lse_in,
             token_grads,
+            rows,
         )
     if plan.two_pass:
         lse = lse_in if lse_in is not None else res.lse
+        if outputs is not None and outputs.token_scale is not None and coef_ce is not None:
+            # pass A's kernel applied the token scale to its own rows
+            coef_ce, coef_z = coef_ce * outputs.token_scale, coef_z * outputs.token_scale
         _vocab_pass(
-            backend, plan, hidden.to(gemm_dtype), w, b, labels, opts, logits_dtype, coef_ce, coef_z, lse, res
+            backend,
+            plan,
+            hidden.to(gemm_dtype),
+            w,
+            b,
+            labels,
+            opts,
+            logits_dtype,
+            coef_ce,
+            coef_z,
+            lse,
+            res,
+            rows,
         )
 
     if res.grad_weight is not None:
@@ -289,6 +343,7 @@ def _token_pass(
     coef_z: torch.Tensor | None,
     lse_in: torch.Tensor | None,
     token_grads: bool,
+    rows: _RowRecords,
 ) -> None:
     """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h.
 
@@ -310,6 +365,7 @@ def _token_pass(
             coef_ce=None if coef_ce is None else coef_ce[start:stop],
             coef_z=None if coef_z is None else coef_z[start:stop],
             lse_in=None if lse_in is None else lse_in[start:stop],
+            **rows.for_rows(start, stop),
             **({} if partials is None else {"partials": partials}),
         )
         del partials  # now, not when the next chunk's are already allocated
@@ -341,6 +397,7 @@ def _vocab_pass(
     coef_z: torch.Tensor,
     lse: torch.Tensor,
     res: ChunkResult,
+    rows: _RowRecords,
 ) -> None:
     """Pass B: grad_W (and grad_b) block by block over the vocabulary, from recomputed logits.
 
@@ -371,6 +428,8 @@ def _vocab_pass(
             lse_in=lse,
             col_offset=v0,
             vocab_total=vocab,
+            class_weight=rows.class_weight,
+            entropy_grad=rows.entropy_grad,
         )
         _mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
         if res.grad_bias is not None:

@@ -10,7 +10,9 @@ point picks it up (docs/architecture.md walks through it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,7 +46,8 @@ class LossOptions:
 
     Built from keywords (``LossOptions(z_loss_scale=1e-4)``), checked and normalised on
     construction (numbers become floats; a bad value raises, naming the option). Frozen and
-    hashable, so autograd and ``torch.compile`` can carry it as a constant.
+    hashable, so autograd and ``torch.compile`` can carry it as a constant. ``key`` is every
+    option as one string, which the registered operator takes (``LossOptions.from_key``).
     """
 
     ignore_index: int = -100
@@ -54,6 +57,10 @@ class LossOptions:
     softcap: float | None = None
     logit_scale: float | None = None
     return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
+    return_entropy: bool = False
+    use_token_scaling: bool = False
     backend: BackendName = "auto"
     memory_budget: int | str | None = None
     logits_dtype: torch.dtype | None = None
@@ -62,6 +69,29 @@ class LossOptions:
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
+        # Every option as one string (not a field): how the registered operator carries them.
+        object.__setattr__(self, "key", _key(self))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def from_key(key: str) -> LossOptions:
+        """The options ``key`` was made from (``LossOptions(...).key``)."""
+        values = json.loads(key)
+        tuning = Tuning.from_key(values.pop("tuning"))
+        dtype = values.pop("logits_dtype")
+        return LossOptions(
+            **values, tuning=tuning, logits_dtype=None if dtype is None else getattr(torch, dtype)
+        )
+
+    @property
+    def wants_outputs(self) -> bool:
+        """Whether any output besides the loss is returned."""
+        return (
+            self.return_z_loss
+            or self.return_token_accuracy
+            or self.return_predicted_tokens
+            or self.return_entropy
+        )
 
     @property
     def scale(self) -> float:
@@ -91,6 +121,14 @@ class LossOptions:
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
 
 
+def _key(opts: LossOptions) -> str:
+    values = {name: getattr(opts, name) for name in OPTION_NAMES}
+    values["tuning"] = opts.tuning.key
+    if opts.logits_dtype is not None:
+        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
+    return json.dumps(values, sort_keys=True)
+
+
 def _refuse_unknown(kwargs: dict[str, Any], where: str) -> None:
     unknown = sorted(set(kwargs) - set(OPTION_NAMES))
     if unknown:
@@ -106,6 +144,13 @@ OPTION_DOCS = {
     "softcap": "c > 0: ``c * tanh(x / c)`` on the logits (Gemma 2/3's ``final_logit_softcapping``)",
     "logit_scale": "s != 0 multiplies the logits before the softcap (Cohere; Granite is 1 / logits_scaling)",
     "return_z_loss": "also return the z-loss term (reduced like the loss, already inside it)",
+    "return_token_accuracy": "also return the share of kept tokens whose argmax is the label (per token "
+    'for reduction "none"); no gradient',
+    "return_predicted_tokens": "also return the argmax per token (int64, leading shape, -1 at ignored)",
+    "return_entropy": "also return the entropy of the softmax: the mean over kept tokens (per token for "
+    'reduction "none"), differentiable',
+    "use_token_scaling": "multiply each token's loss (z-loss term included) by its detached predicted "
+    'probability of the label (TRL\'s loss_type="dft")',
     "backend": '"auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"',
     "memory_budget": 'working memory beyond inputs, outputs and gradients: bytes, a size ("256MiB"), '
     '"default" (512 MiB) or "lean" (32 MiB); None reads LIGER_MEMORY_BUDGET, else "default"',
@@ -152,11 +197,85 @@ def _checked(opts: LossOptions) -> dict[str, Any]:
         z_loss_scale=z_loss_scale,
         softcap=softcap,
         logit_scale=logit_scale,
-        return_z_loss=bool(opts.return_z_loss),
+        **{name: bool(getattr(opts, name)) for name in FLAG_NAMES},
     )
 
 
+FLAG_NAMES = (
+    "return_z_loss",
+    "return_token_accuracy",
+    "return_predicted_tokens",
+    "return_entropy",
+    "use_token_scaling",
+)
+
+
 DEFAULT_OPTIONS = LossOptions()
+
+
+def build_options(base_key: str, where: str = "LossOptions.replace", **changes: Any) -> LossOptions:
+    """The options of ``base_key`` (a ``LossOptions.key``) with ``changes`` applied and checked
+    (an unknown name refused, naming ``where``); cached, so a call repeated with the same
+    options builds nothing.
+
+    Under ``torch.compile`` this runs once while tracing and its result is a constant of the
+    graph. It takes the base options as their key: a string stays a constant where the numbers
+    inside an options object held by a compiled module would be traced as symbols."""
+    try:
+        return _build_cached(base_key, where, tuple(sorted(changes.items())))
+    except TypeError:  # an unhashable value: built uncached (and refused there if it is wrong)
+        return _build(base_key, where, changes)
+
+
+@functools.lru_cache(maxsize=256)
+def _build_cached(base_key: str, where: str, changes: tuple) -> LossOptions:
+    return _build(base_key, where, dict(changes))
+
+
+def _build(base_key: str, where: str, changes: dict[str, Any]) -> LossOptions:
+    _refuse_unknown(changes, where)
+    changes = {name: _from_constant(name, value) for name, value in changes.items()}
+    base = LossOptions.from_key(base_key)
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+_HEX_FLOAT = "float.hex:"
+
+
+def constant_changes(changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` as values that ``torch.compile`` passes to :func:`build_options` as constants
+    on every torch version: a ``Tuning`` as its key (torch 2.11's dynamo refuses a frozen
+    dataclass there) and a float as its exact hex string (under ``dynamic=True`` a float read
+    from a variable, such as a config's softcap, is traced as a symbol; ``float.hex``
+    specializes it, with a guard, so a changed value recompiles)."""
+    return {name: _as_constant(value) for name, value in changes.items()}
+
+
+def _as_constant(value: Any) -> Any:
+    if isinstance(value, Tuning):
+        return value.key
+    if isinstance(value, float):
+        return _HEX_FLOAT + value.hex()
+    return value
+
+
+def _from_constant(name: str, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if name == "tuning":
+        try:
+            return Tuning.from_key(value)
+        except (ValueError, TypeError, KeyError):
+            message = f"tuning must be a liger_patch.ops.tuning.Tuning, got the str {value!r}"
+            raise TypeError(message) from None
+    if value.startswith(_HEX_FLOAT):
+        return float.fromhex(value.removeprefix(_HEX_FLOAT))
+    return value
+
+
+# What ``torch.compiler.assume_constant_result`` sets (torch 2.0 onwards); the decorator itself
+# imports torch._dynamo, which would add ~1 s to ``import liger_patch``.
+build_options._dynamo_marked_constant = True
 
 
 def check_logits_dtype(logits_dtype: torch.dtype | None, input_dtype: torch.dtype) -> None:

@@ -2,7 +2,8 @@
 
 It has the same contract as the Triton row kernel (``triton/rows.py``'s ``ce_rows_triton``): given one chunk
 of logits ``x = W h + b`` it returns the per-row cross-entropy and log-sum-exp and, when
-row coefficients are given, writes d(loss)/dx into ``grad``.
+row coefficients are given, writes d(loss)/dx into ``grad``. The extra records (class weights,
+per-row outputs, the entropy's gradient) are described in ``row_io``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,26 @@ from __future__ import annotations
 import torch
 
 from liger_patch.ops.options import LossOptions
-from liger_patch.ops.validation import check_column_block
+from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.validation import check_column_block, check_row_records
+
+
+def final_logits(logits: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """z = softcap(s * x) in fp32, and u = s * x / c (for the softcap's derivative) or None."""
+    x = logits.float()
+    if opts.logit_scale is not None:
+        x = x * opts.scale
+    if opts.softcap is None:
+        return x, None
+    u = x / opts.softcap
+    return opts.softcap * torch.tanh(u), u
+
+
+def _smoothing_sum(z: torch.Tensor, lse: torch.Tensor, class_weight: ClassWeight | None) -> torch.Tensor:
+    """The label-smoothing term per row times V: sum_j w_j (lse - z_j) (w = 1 without class weights)."""
+    if class_weight is None:
+        return z.shape[-1] * lse - z.sum(dim=-1)
+    return class_weight.total * lse - z @ class_weight.weight
 
 
 def ce_rows_torch(
@@ -23,58 +43,136 @@ def ce_rows_torch(
     lse_in: torch.Tensor | None = None,
     col_offset: int = 0,
     vocab_total: int | None = None,
+    *,
+    class_weight: ClassWeight | None = None,
+    outputs: RowOutputs | None = None,
+    entropy_grad: EntropyGrad | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Per-row loss terms of a (rows, V) logits chunk (any float dtype; the math is fp32).
 
     Returns ``(ce, lse)``, both 0 at ignored rows. With ``grad`` given, writes
-    ``coef_ce[i] * d ce_i / dx + coef_z[i] * d lse_i^2 * z_loss_scale / dx`` into it (any dtype;
-    it may alias ``logits``).
+    ``coef_ce[i] * d ce_i / dx + coef_z[i] * d lse_i^2 * z_loss_scale / dx`` (+ the entropy's
+    term with ``entropy_grad``) into it (any dtype; it may alias ``logits``).
 
     With ``lse_in`` (the full rows' log-sum-exp) the chunk may be a block of columns
     ``[col_offset, col_offset + V)`` of rows of ``vocab_total`` logits; only the gradient is
-    computed then, and ``(None, lse_in)`` is returned, as the Triton kernel does.
+    computed then, and ``(None, lse_in)`` is returned, as the Triton kernel does. ``outputs``
+    (the forward's per-row results) needs whole rows and no ``lse_in``.
     """
     vocab = logits.shape[-1]
     check_column_block(vocab, col_offset, vocab_total, lse_in is not None)
+    check_row_records(lse_in is not None, outputs, class_weight, vocab_total or vocab)
     vocab_total = vocab_total or vocab
     keep = labels != opts.ignore_index
     local = labels - col_offset
     in_block = keep & (local >= 0) & (local < vocab)
     safe_labels = torch.where(in_block, local, 0).unsqueeze(-1)
+    # w_y (1 without class weights): the label's weight, whether or not it is in this block
+    w_label = None if class_weight is None else class_weight.weight[torch.where(keep, labels, 0)]
 
-    x = logits.float()
-    if opts.logit_scale is not None:
-        x = x * opts.scale
-    u = None if opts.softcap is None else x / opts.softcap
-    z = x if u is None else opts.softcap * torch.tanh(u)
+    z, u = final_logits(logits, opts)
+    ce = None
     if lse_in is None:
         lse = torch.logsumexp(z, dim=-1)
         ce = lse - z.gather(-1, safe_labels).squeeze(-1)
+        if w_label is not None:
+            ce = w_label * ce
         if opts.label_smoothing:
             eps = opts.label_smoothing
-            ce = (1.0 - eps) * ce + eps * (lse - z.mean(dim=-1))
+            ce = (1.0 - eps) * ce + eps / vocab * _smoothing_sum(z, lse, class_weight)
     else:
-        lse, ce = torch.where(keep, lse_in, 0.0), None
+        lse = torch.where(keep, lse_in, 0.0)
+
+    if outputs is not None:
+        _write_outputs(outputs, z, lse, labels, keep)
+        if outputs.token_scale is not None:
+            ce = ce * outputs.token_scale
+            coef_ce = None if coef_ce is None else coef_ce * outputs.token_scale
+            coef_z = None if coef_z is None else coef_z * outputs.token_scale
 
     if grad is not None:
-        # d ce / dz = softmax - (1-eps) onehot(y) - eps/V ;  d (s lse^2) / dz = 2 s lse softmax
-        coef_p = coef_ce + 2.0 * opts.z_loss_scale * lse * coef_z
-        # p <= 1: with lse_in from another GEMM a logit may round above it (exp could overflow).
-        g = torch.exp((z - lse.unsqueeze(-1)).clamp_max_(0.0)) * coef_p.unsqueeze(-1)
-        at_label = torch.where(in_block, coef_ce * (1.0 - opts.label_smoothing), 0.0)
-        g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
-        if opts.label_smoothing:
-            g -= (coef_ce * (opts.label_smoothing / vocab_total)).unsqueeze(-1)
-        if u is not None:
-            # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
-            e = torch.exp(-2.0 * u.abs())
-            g *= 4.0 * e / (1.0 + e).square()
-        if opts.logit_scale is not None:
-            g *= opts.scale
-        g = torch.where(keep.unsqueeze(-1), g, 0.0)
-        grad.copy_(g)
+        grad.copy_(
+            _grad(
+                z,
+                u,
+                lse,
+                keep,
+                in_block,
+                safe_labels,
+                w_label,
+                opts,
+                vocab_total,
+                col_offset,
+                coef_ce,
+                coef_z,
+                class_weight,
+                entropy_grad,
+            )
+        )
 
     if ce is None:
         return None, lse_in
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
     return torch.where(keep, ce, zero), torch.where(keep, lse, zero)
+
+
+def _write_outputs(
+    outputs: RowOutputs, z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor
+) -> None:
+    """Fill the requested per-row outputs (see ``RowOutputs``) for whole rows of ``z``."""
+    zero = torch.zeros((), dtype=torch.float32, device=z.device)
+    if outputs.argmax is not None:
+        outputs.argmax.copy_(torch.where(keep, z.argmax(dim=-1), -1))
+    p = None
+    if outputs.entropy is not None or outputs.token_scale is not None:
+        p = torch.exp((z - lse.unsqueeze(-1)).clamp_max(0.0))
+    if outputs.entropy is not None:
+        outputs.entropy.copy_(torch.where(keep, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), zero))
+    if outputs.token_scale is not None:
+        p_label = p.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
+        outputs.token_scale.copy_(torch.where(keep, p_label, zero))
+
+
+def _grad(
+    z,
+    u,
+    lse,
+    keep,
+    in_block,
+    safe_labels,
+    w_label,
+    opts,
+    vocab_total,
+    col_offset,
+    coef_ce,
+    coef_z,
+    class_weight,
+    entropy_grad,
+) -> torch.Tensor:
+    """d(loss)/dx of the chunk, 0 at ignored rows (the formulas are in docs/loss.md)."""
+    eps = opts.label_smoothing
+    # d ce / dz = a p - (1-e) w_y onehot(y) - e/V w ;  a = (1-e) w_y + e/V sum(w)  (a = 1 when w = 1)
+    # d (s lse^2) / dz = 2 s lse p
+    w_y = 1.0 if w_label is None else w_label
+    total = vocab_total if class_weight is None else class_weight.total
+    a = (1.0 - eps) * w_y + eps / vocab_total * total
+    coef_p = coef_ce * a + 2.0 * opts.z_loss_scale * lse * coef_z
+    # p <= 1: with lse_in from another GEMM a logit may round above it (exp could overflow).
+    p = torch.exp((z - lse.unsqueeze(-1)).clamp_max_(0.0))
+    g = p * coef_p.unsqueeze(-1)
+    at_label = torch.where(in_block, coef_ce * (1.0 - eps) * w_y, 0.0)
+    g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
+    if eps:
+        w_cols = 1.0 if class_weight is None else class_weight.weight[col_offset : col_offset + z.shape[-1]]
+        g -= (coef_ce * (eps / vocab_total)).unsqueeze(-1) * w_cols
+    if entropy_grad is not None:
+        # d H / dz_j = p_j (sum_k p_k z_k - z_j) = p_j (lse - z_j - H)
+        shift = (lse - entropy_grad.entropy).unsqueeze(-1)
+        g += entropy_grad.coef.unsqueeze(-1) * p * (shift - z)
+    if u is not None:
+        # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
+        e = torch.exp(-2.0 * u.abs())
+        g *= 4.0 * e / (1.0 + e).square()
+    if opts.logit_scale is not None:
+        g *= opts.scale
+    return torch.where(keep.unsqueeze(-1), g, 0.0)

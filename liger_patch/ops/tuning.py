@@ -8,6 +8,8 @@ Nothing reads a module-level switch: tests and benchmarks that want another sett
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 
 
@@ -68,6 +70,19 @@ class Tuning:
             raise ValueError(
                 f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}"
             )
+
+        # Every setting as one string (not a field): how options travel into a compiled graph,
+        # where torch 2.11's dynamo cannot rebuild a frozen dataclass passed as a constant.
+        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def from_key(key: str) -> Tuning:
+        """The tuning ``key`` was made from (``Tuning(...).key``)."""
+        values = json.loads(key)
+        values["row_warps"] = tuple(map(tuple, values["row_warps"]))
+        values["logits_tiles"] = tuple(values["logits_tiles"])
+        return Tuning(**values)
 
     def __repr__(self) -> str:
         changed = (f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)

@@ -16,6 +16,20 @@ def check_column_block(vocab: int, col_offset: int, vocab_total: int | None, has
         raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
 
 
+def check_row_records(has_lse: bool, outputs, class_weight, vocab_total: int) -> None:
+    """A row kernel's per-row outputs need whole rows computed from scratch (no ``lse_in``), and
+    class weights are one fp32 weight per class of the full rows."""
+    if has_lse and outputs is not None and outputs.any():
+        raise ValueError("per-row outputs (argmax, entropy, token scale) are computed without lse_in")
+    if class_weight is not None and (
+        tuple(class_weight.weight.shape) != (vocab_total,) or class_weight.weight.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"class weights must be fp32 of shape ({vocab_total},), got {class_weight.weight.dtype} "
+            f"{tuple(class_weight.weight.shape)}"
+        )
+
+
 def check_num_items(num_items_in_batch: object, reduction: str) -> None:
     """``num_items_in_batch``: None, or a non-negative finite int, float or scalar tensor given
     with reduction "mean" (a tensor's value is checked on the device, in ``check_values``)."""
@@ -40,7 +54,9 @@ def check_num_items(num_items_in_batch: object, reduction: str) -> None:
         raise TypeError(
             f"num_items_in_batch must be an int, a float or a scalar tensor, got {num_items_in_batch!r}"
         )
-    elif not (math.isfinite(num_items_in_batch) and num_items_in_batch >= 0):
+    # Comparisons, not math.isfinite: under torch.compile an int or float may be a symbol. NaN
+    # fails ">= 0".
+    elif not (num_items_in_batch >= 0 and num_items_in_batch != math.inf):
         raise ValueError(f"num_items_in_batch must be finite and >= 0, got {num_items_in_batch}")
 
 
@@ -102,6 +118,27 @@ def check_tensors(
         raise ValueError(f"all tensors must be on one device; got {named}")
 
 
+def check_class_weight(class_weight: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """``class_weight``: None, or a float tensor of shape (V,) on the weight's device."""
+    if class_weight is None:
+        return
+    if not isinstance(class_weight, torch.Tensor):
+        raise TypeError(
+            f"class_weight must be a torch.Tensor of shape (V,), got {type(class_weight).__name__}"
+        )
+    if tuple(class_weight.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"class_weight must have shape (V,) = ({weight.shape[0]},), one weight per class; got "
+            f"{tuple(class_weight.shape)}"
+        )
+    if class_weight.dtype not in FLOAT_DTYPES and class_weight.dtype != torch.float64:
+        raise TypeError(f"class_weight must be a float tensor, got {class_weight.dtype}")
+    if class_weight.device != weight.device:
+        raise ValueError(f"class_weight is on {class_weight.device} but weight is on {weight.device}")
+    if class_weight.requires_grad:
+        raise ValueError("class_weight gets no gradient from the fused loss; pass class_weight.detach()")
+
+
 def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Outside autocast, hidden, weight and bias must share one dtype (as nn.Linear requires)."""
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
@@ -135,4 +172,3 @@ def check_values(
         f"label {value} at flat position {position} is outside [0, {vocab}) and is not "
         f"ignore_index={ignore_index}"
     )
-

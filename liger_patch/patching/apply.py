@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
+from liger_patch.integrations.trl import install_when_imported as install_trl_head
 from liger_patch.ops.options import LossOptions, options_docstring, options_parameters
 from liger_patch.patching.derive import instance_refusal, spec_for, spec_for_model_type
 from liger_patch.patching.forward import FORWARD_SETS, is_liger_forward, make_liger_forward, set_by_forward
@@ -179,6 +180,7 @@ def apply_liger_to(target: Target, *, strict: bool = True, **options: Any) -> Ta
         _install(obj, spec, loss_options)
         if not isinstance(obj, type):
             _warn_if_head_unfusable(obj)
+    install_trl_head()  # TRL's trainers call their own kernel, not the forward: route it to us
     return target
 
 

@@ -47,14 +47,17 @@ class FusedCall:
     """One fused forward's context: how to compute the loss, and what happened.
 
     ``loss_fn(deferred, targets, ignore_index, reduction, num_items_in_batch, label_smoothing)``
-    returns ``(loss, z_loss)``; the patched forward supplies it (with the head module, so that a
-    sharded head is gathered through its own call, and the user's options).
+    returns ``(loss, outputs)``, ``outputs`` the op's other outputs by name (``z_loss``,
+    ``token_accuracy``, ...); the patched forward supplies it (with the head module, so that a
+    sharded head is gathered through its own call, and the user's options). ``z_losses`` collects
+    every loss's z-loss; ``outputs`` holds the other outputs of the last loss.
     """
 
-    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     head_calls: int = 0
     losses: int = 0
     z_losses: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)
 
 
 _Op = tuple[str, Any]  # ("mul" | "div", operand), ("tanh", None) or ("cast", dtype)
@@ -302,12 +305,14 @@ class DeferredLogits:
             raise UnfusableLogitsUse(
                 f"its loss pairs logits {tuple(self.shape)} with targets {tuple(targets.shape)}"
             )
-        loss, z_loss = self._call.loss_fn(
+        loss, outputs = self._call.loss_fn(
             self, targets, ignore_index, reduction, num_items_in_batch, label_smoothing
         )
         self._call.losses += 1
+        z_loss = outputs.pop("z_loss", None)
         if z_loss is not None:
             self._call.z_losses.append(z_loss)
+        self._call.outputs.update(outputs)
         return loss
 
 

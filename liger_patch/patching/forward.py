@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from liger_patch import env
+from liger_patch.ops.options import build_options
 from liger_patch.patching.call import bind_call, positional_names, wants_fused_path
 from liger_patch.patching.deferred import (
     DeferredLogits,
@@ -41,9 +42,16 @@ from liger_patch.patching.deferred import (
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.lazy import lazy_imports
 from liger_patch.patching.sharded_head import fused_head_loss
-from liger_patch.patching.state import STATE_ATTR, PatchState
+from liger_patch.patching.state import STATE_ATTR, LigerBypassWarning, PatchState
 
-__all__ = ["FORWARD_SETS", "is_liger_forward", "make_liger_forward", "set_by_forward"]
+__all__ = [
+    "CALL_FLAGS",
+    "FORWARD_SETS",
+    "OUTPUT_ATTRS",
+    "is_liger_forward",
+    "make_liger_forward",
+    "set_by_forward",
+]
 
 ORIGINAL_ATTR = "__liger_original__"
 
@@ -61,6 +69,17 @@ _SOURCES = {
 assert tuple(_SOURCES) == FORWARD_SETS
 
 
+CALL_FLAGS = ("return_token_accuracy", "return_predicted_tokens", "return_entropy", "use_token_scaling")
+"""Loss options a call may pass to the patched model as keywords (TRL's SFTTrainer sent
+``return_token_accuracy`` and ``use_token_scaling`` with ``use_liger_kernel`` before its own fused
+head, as liger-kernel's patched models accept them); they are taken out of the call (the model's
+forward never sees them) and turn that option on for the call. The outputs land on the output as
+attributes: ``outputs.token_accuracy``, ``outputs.predicted_tokens``, ``outputs.entropy``."""
+
+OUTPUT_ATTRS = ("z_loss", "token_accuracy", "predicted_tokens", "entropy")
+"""Attributes the fused path sets on a ModelOutput (``None`` when not asked for)."""
+
+
 def set_by_forward(names: list[str]) -> str:
     """``name (where the forward takes it from)`` for each of ``names``, for an error message."""
     return "; ".join(f"{name} ({_SOURCES[name]})" for name in names)
@@ -69,26 +88,31 @@ def set_by_forward(names: list[str]) -> str:
 def _head_loss(
     head: nn.Module,
     state: PatchState,
+    flags: dict[str, bool],
     logits: DeferredLogits,
     targets: torch.Tensor,
     ignore_index: int,
     reduction: str,
     num_items_in_batch: Any,
     label_smoothing: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(loss, z_loss)`` of deferred logits through the fused op (the head's own call when
-    FSDP2 / ZeRO-3 owns its weight), with the options this call sets."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(loss, outputs)`` of deferred logits through the fused op (the head's own call when
+    FSDP2 / ZeRO-3 owns its weight), with the options this call sets; ``outputs`` are the op's
+    other outputs by name."""
     logit_scale, softcap = logits.loss_math()
-    return_z_loss = state.options.z_loss_scale > 0
     per_call = dict(
         ignore_index=ignore_index,
         reduction=reduction,
         softcap=softcap,
         logit_scale=logit_scale,
-        return_z_loss=return_z_loss,
+        # Read from the options rebuilt from their key: under torch.compile the numbers inside the
+        # patch's own options object are traced as symbols, and the options must be constants.
+        return_z_loss=build_options(state.options.key).z_loss_scale > 0,
+        **{name: True for name, on in flags.items() if on},
     )
     if label_smoothing:
         per_call["label_smoothing"] = label_smoothing
+    state.fused_ran = True
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(logits.device)
     hidden = logits.hidden
@@ -100,7 +124,9 @@ def _head_loss(
         num_items_in_batch=num_items_in_batch,
         **per_call,
     )
-    return result if return_z_loss else (result, None)
+    if not isinstance(result, tuple):
+        return result, {}
+    return result.loss, dict(zip(result._fields[1:], result[1:], strict=True))
 
 
 def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -136,7 +162,7 @@ def _run_captured(
     finally:
         parent._modules[name] = registered
         if swap_loss:
-            model.__dict__.pop("_loss_function", None)
+            delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
 
 
 def _finish(model: nn.Module, output: Any, call: FusedCall, state: PatchState) -> Any:
@@ -156,16 +182,26 @@ def _finish(model: nn.Module, output: Any, call: FusedCall, state: PatchState) -
     if z_loss is not None and model.training:
         state.z_loss_tracker.add(z_loss)
     if hasattr(output, "__dict__"):  # a ModelOutput (a tuple or a plain dict has no attributes)
-        # An attribute, not a field: it stays out of to_tuple() and of the Trainer's logits tuple.
-        object.__setattr__(output, "z_loss", z_loss)
+        # Attributes, not fields: they stay out of to_tuple() and of the Trainer's logits tuple.
+        values = {**call.outputs, "z_loss": z_loss}
+        for name in OUTPUT_ATTRS:
+            object.__setattr__(output, name, values.get(name))
     return output
 
 
 def fused_forward(
-    model: nn.Module, state: PatchState, run: Callable, args: tuple, kwargs: dict, path: str, head: nn.Module
+    model: nn.Module,
+    state: PatchState,
+    run: Callable,
+    args: tuple,
+    kwargs: dict,
+    path: str,
+    head: nn.Module,
+    flags: dict[str, bool] | None = None,
 ) -> Any:
-    """The fused path: the model's own forward with deferred logits and the fused loss."""
-    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state))
+    """The fused path: the model's own forward with deferred logits and the fused loss
+    (``flags``: the call's ``CALL_FLAGS``)."""
+    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state, flags or {}))
     output = _run_captured(model, run, args, kwargs, path, HeadCapture(head, call))
     if not call.head_calls:
         _note_unfusable(model, state, "its forward never called its output projection (the loss is its own)")
@@ -185,6 +221,27 @@ def _warn_unfusable_once(model: nn.Module, state: PatchState, reason: str) -> No
         warnings.warn(unfusable_head_message(model, reason), UserWarning, stacklevel=4)
 
 
+def warn_logits_in_training(model: nn.Module, state: PatchState) -> None:
+    """A training call without labels builds the full logits, and whatever takes a loss from
+    them bypasses the fused op: said once per patch."""
+    state.bypass_reason = "it was called in training without labels and returned the full logits"
+    if not state.warned_bypass:
+        state.warned_bypass = True
+        warnings.warn(bypass_message(model, state.bypass_reason), LigerBypassWarning, stacklevel=4)
+
+
+def bypass_message(model: nn.Module, reason: str) -> str:
+    """The bypass warning: what happened to ``model``'s loss and what to do."""
+    return (
+        f"liger_patch: the fused loss did not compute {type(model).__name__}'s loss: {reason}. A loss "
+        "taken from logits (a compute_loss override, compute_loss_func, knowledge distillation) "
+        "builds the tokens x vocab logits the patch exists to avoid. Pass labels= to the model, or "
+        "call liger_patch.fused_linear_cross_entropy / fused_linear_logprobs on its hidden states "
+        "(docs/integrations.md). Silence with warnings.filterwarnings('ignore', "
+        "category=liger_patch.LigerBypassWarning)."
+    )
+
+
 def make_liger_forward(original: Callable, fallback: Callable | None = None) -> Callable:
     """Wrap an unbound causal-LM ``forward`` with the fused path.
 
@@ -200,10 +257,16 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
     @functools.wraps(original)
     def liger_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         skip_logits = kwargs.pop("skip_logits", None)
+        flags = {name: bool(kwargs.pop(name)) for name in CALL_FLAGS if name in kwargs}
         state: PatchState | None = getattr(self, STATE_ATTR, None)
-        call = bind_call(names, args, kwargs) if state is not None else None
+        if state is None or kwargs.get("fused_lm_head"):
+            # unpatched, or TRL's fused head, whose log-prob kernel is ours (integrations/trl.py)
+            return run(self, *args, **kwargs)
+        call = bind_call(names, args, kwargs)
         if call is None or not wants_fused_path(self, call.get("labels"), skip_logits):
-            return run(self, *args, **kwargs)  # unpatched, not fused, or a call it must reject
+            if call is not None and skip_logits is None and self.training and torch.is_grad_enabled():
+                warn_logits_in_training(self, state)
+            return run(self, *args, **kwargs)  # not fused, or a call it must reject
         if state.unfusable_reason is not None:
             return run(self, *args, **kwargs)
         head, reason, path = fusable_head(self, state.spec)
@@ -211,7 +274,7 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
             _warn_unfusable_once(self, state, reason)
             return run(self, *args, **kwargs)
         try:
-            return fused_forward(self, state, run, args, kwargs, path, head)
+            return fused_forward(self, state, run, args, kwargs, path, head, flags)
         except UnfusableLogitsUse as why:
             _note_unfusable(self, state, f"{why} (there is no exact fused counterpart)")
             return run(self, *args, **kwargs)

@@ -73,6 +73,10 @@ def head_path(model: nn.Module, spec: ModelSpec) -> str | None:
     module = _output_embeddings(model)
     if module is None:
         return None
+    if torch.compiler.is_compiling():
+        # Traced once per compiled graph; reading the cache would make the graph's guards depend
+        # on every other patched model alive (it recompiled each time one came or went).
+        return next((name for name, m in model.named_modules() if m is module and name), None)
     cached = _HEAD_PATHS.get(model)
     if (
         cached is not None

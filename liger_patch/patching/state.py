@@ -17,9 +17,21 @@ import torch.nn as nn
 from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
 from liger_patch.patching.registry import ModelSpec
 
-__all__ = ["STATE_ATTR", "PatchState", "ZLossTracker", "base_model_of", "own_state", "patch_state"]
+__all__ = [
+    "STATE_ATTR",
+    "LigerBypassWarning",
+    "PatchState",
+    "ZLossTracker",
+    "base_model_of",
+    "own_state",
+    "patch_state",
+]
 
 STATE_ATTR = "_liger_patch_state"
+
+
+class LigerBypassWarning(UserWarning):
+    """Something computed a patched model's loss without the fused op."""
 
 
 class ZLossTracker:
@@ -30,29 +42,30 @@ class ZLossTracker:
     """
 
     def __init__(self) -> None:
-        self._terms: list[torch.Tensor] = []  # this optimizer step's forwards so far
+        # this optimizer step's forwards so far: one running sum per device (not a list: under
+        # torch.compile a growing list's length is a guard, and every call would recompile)
+        self._pending: dict[torch.device, torch.Tensor] = {}
         self._step_sum: torch.Tensor | None = None
         self._steps = 0
 
     def add(self, z_loss: torch.Tensor) -> None:
         """Record one forward's z-loss term (the part already inside its loss). ``nn.DataParallel``
-        replicas call this from their own threads with terms on their own GPUs: ``list.append``
-        is atomic, and nothing is added across devices here."""
-        self._terms.append(z_loss.detach().float())
+        replicas call this from their own threads with terms on their own GPUs: each thread
+        updates its own device's entry, and nothing is added across devices here."""
+        term = z_loss.detach().float()
+        previous = self._pending.get(term.device)
+        self._pending[term.device] = term if previous is None else previous + term
 
     def end_step(self) -> None:
         """Close an optimizer step: its micro-batches' terms add up to the step's z-loss. Under
         ``nn.DataParallel`` every GPU's replica saw a slice of each micro-batch and the Trainer
         averages the replicas' losses, so the step's z-loss is the mean over GPUs of each GPU's
         sum (with one device, just the sum)."""
-        if not self._terms:
+        if not self._pending:
             return
-        terms, self._terms = self._terms, []
-        per_device: dict[torch.device, list[torch.Tensor]] = {}
-        for term in terms:
-            per_device.setdefault(term.device, []).append(term)
-        home = terms[0].device
-        step = torch.stack([torch.stack(ts).sum().to(home) for ts in per_device.values()]).mean()
+        sums, self._pending = list(self._pending.values()), {}
+        home = sums[0].device
+        step = torch.stack([s.to(home) for s in sums]).mean()
         self._step_sum = step if self._step_sum is None else self._step_sum + step
         self._steps += 1
 
@@ -74,7 +87,8 @@ class PatchState:
     adds what it sets per call: ``forward.FORWARD_SETS``); ``previous_forward`` is what
     ``revert_liger`` puts back (``None`` when the object had no forward of its own);
     ``unfusable_reason`` is set when a forward used its logits in a way with no fused
-    counterpart: this patch then runs the original path.
+    counterpart: this patch then runs the original path. The ``fused_ran`` / ``bypass_*``
+    fields feed the warning that something computed the loss without the fused op.
     """
 
     spec: ModelSpec
@@ -84,6 +98,12 @@ class PatchState:
     z_loss_tracker: ZLossTracker = field(default_factory=ZLossTracker)
     warned_unfusable_head: bool = False
     unfusable_reason: str | None = None
+    # Whether the fused op ran since the Trainer callback last cleared it (a training step that
+    # leaves it False bypassed the op), and what is known of why it did not.
+    fused_ran: bool = False
+    bypass_reason: str | None = None
+    warned_bypass: bool = False
+    warned_trl_options: bool = False
 
 
 def base_model_of(model: Any) -> Any:

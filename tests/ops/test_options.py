@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.options import OPTION_DOCS, OPTION_NAMES, LossOptions
+from liger_patch.ops.options import OPTION_DOCS, OPTION_NAMES, LossOptions, build_options, constant_changes
 from liger_patch.ops.tuning import Tuning
 
 
@@ -48,6 +48,20 @@ def test_replace_checks_the_new_values():
 def test_tuning_must_be_a_tuning(value):
     with pytest.raises(TypeError, match="tuning must be"):
         LossOptions(tuning=value)
+
+
+def test_a_str_tuning_is_refused_at_the_public_call_too():
+    h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(TypeError, match="tuning must be"):
+        lp.fused_linear_cross_entropy(h, w, y, tuning="fast")
+
+
+def test_options_and_tuning_survive_their_keys():
+    tuning = Tuning(chunk_rows=7, row_warps=((4096, 8), (0, 4)), two_pass=True)
+    assert Tuning.from_key(tuning.key) == tuning
+    opts = LossOptions(tuning=tuning, label_smoothing=0.25, logits_dtype=torch.float32, reduction="sum")
+    assert LossOptions.from_key(opts.key) == opts
+    assert build_options(opts.key, **constant_changes({"tuning": Tuning()})).tuning == Tuning()
 
 
 @pytest.mark.parametrize("bad", [dict(chunk_rows=0), dict(min_token_chunk_rows=-1), dict(row_warps=())])

@@ -38,7 +38,7 @@ def make_head(bias: bool = True, seed: int = 0) -> nn.Linear:
 
 def make_capture(head: nn.Module, **options) -> tuple[HeadCapture, FusedCall]:
     state = PatchState(ModelSpec("test", "Test"), LossOptions(**options))
-    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state))
+    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state, {}))
     return HeadCapture(head, call), call
 
 

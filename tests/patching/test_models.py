@@ -77,22 +77,3 @@ def test_z_loss_and_label_smoothing_match_reference_math(model_type):
     torch.testing.assert_close(out.loss.double().cpu(), expected.cpu(), rtol=tol, atol=tol)
     torch.testing.assert_close(out.z_loss.double().cpu(), expected_z.cpu(), rtol=tol, atol=tol)
     out.loss.backward()
-
-
-def test_docs_fullgraph_compile_note_is_still_true():
-    """docs/patching.md says torch.compile(fullgraph=True) of a patched model fails with a graph
-    break at the fused loss. When the op becomes traceable this test fails: update that section."""
-    import pathlib
-
-    doc = " ".join((pathlib.Path(__file__).parents[2] / "docs" / "patching.md").read_text().split())
-    assert "fullgraph=True)` fails today" in doc and "graph-break error at the fused loss" in doc
-
-    torch._dynamo.reset()
-    model = tiny_model("llama", seed=6)
-    lp.apply_liger_to(model)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with pytest.raises(
-        torch._dynamo.exc.Unsupported, match="fused_loss|fused_linear_cross_entropy|compiler.disable"
-    ):
-        compiled(**make_batch(seed=8))
-    torch._dynamo.reset()

@@ -85,9 +85,9 @@ def scaled_loss(scale_value: float, scale_grad: float):
 
     def wrong(*args, **kwargs):
         result = real(*args, **kwargs)
-        loss, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, None)
+        loss = result.loss if isinstance(result, tuple) else result
         loss = loss.detach() * scale_value + (loss - loss.detach()) * scale_grad
-        return (loss, *rest) if rest is not None else loss
+        return result._replace(loss=loss) if isinstance(result, tuple) else loss
 
     return wrong
 

@@ -16,15 +16,23 @@ import pytest
 
 pytest.importorskip("triton")
 
-# (logits dtype, grad dtype, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_LSE, HAS_PARTIALS, COMPUTE_GRAD)
+# (logits dtype, grad dtype, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING, HAS_LSE, HAS_PARTIALS, COMPUTE_GRAD,
+#  HAS_CLASS_WEIGHT, WANT_ARGMAX, WANT_ENTROPY, HAS_TOKEN_SCALING, HAS_ENTROPY_GRAD)
+_NO_RECORDS = (False,) * 5
 VARIANTS = [
-    ("*fp32", "*fp32", False, False, False, False, False, False),
-    ("*fp32", "*bf16", True, True, True, False, False, True),
-    ("*fp32", "*fp16", False, True, False, True, False, True),
-    ("*fp32", "*fp32", True, False, True, True, False, True),
-    ("*bf16", "*bf16", True, True, True, False, False, True),
-    ("*bf16", "*bf16", False, False, False, False, True, True),
-    ("*fp16", "*fp16", True, True, True, False, True, False),
+    ("*fp32", "*fp32", False, False, False, False, False, False, *_NO_RECORDS),
+    ("*fp32", "*bf16", True, True, True, False, False, True, *_NO_RECORDS),
+    ("*fp32", "*fp16", False, True, False, True, False, True, *_NO_RECORDS),
+    ("*fp32", "*fp32", True, False, True, True, False, True, *_NO_RECORDS),
+    ("*bf16", "*bf16", True, True, True, False, False, True, *_NO_RECORDS),
+    ("*bf16", "*bf16", False, False, False, False, True, True, *_NO_RECORDS),
+    ("*fp16", "*fp16", True, True, True, False, True, False, *_NO_RECORDS),
+    # the row_io records: every one with a gradient; outputs without one; class weights and the
+    # entropy's gradient in a column block; outputs after partials
+    ("*fp32", "*bf16", True, True, True, False, False, True, True, True, True, True, True),
+    ("*bf16", "*bf16", False, False, False, False, False, False, False, True, True, False, False),
+    ("*bf16", "*bf16", True, True, True, True, False, True, True, False, False, False, True),
+    ("*bf16", "*bf16", False, True, False, False, True, True, True, True, False, True, False),
 ]
 # The logits GEMM with log-sum-exp partials: (operand dtype, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, HAS_SMOOTHING)
 LOGITS_VARIANTS = [
@@ -44,18 +52,21 @@ from liger_patch.ops.tuning import Tuning
 
 # The leading arguments in the kernel's order; all fp32 pointers unless set below.
 leading = ["logits_ptr", "grad_ptr", "labels_ptr", "coef_ce_ptr", "coef_z_ptr", "lse_in_ptr",
-           "pmax_ptr", "psum_ptr", "pz_ptr", "n_parts", "ce_ptr", "lse_ptr"]
+           "pmax_ptr", "psum_ptr", "pz_ptr", "n_parts", "ce_ptr", "lse_ptr", "cw_ptr", "cw_total_ptr",
+           "argmax_ptr", "entropy_ptr", "token_scale_ptr", "eg_coef_ptr", "eg_entropy_ptr"]
 scalars = {"n_parts": "i32", "stride_logits": "i64", "stride_grad": "i64", "V": "i32",
            "col_offset": "i32", "V_total": "i32", "ignore_index": "i64",
            "logit_scale": "fp32", "softcap": "fp32", "smoothing": "fp32", "z_loss_scale": "fp32"}
-flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "HAS_PARTIALS", "COMPUTE_GRAD"]
+flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "HAS_PARTIALS", "COMPUTE_GRAD",
+              "HAS_CLASS_WEIGHT", "WANT_ARGMAX", "WANT_ENTROPY", "HAS_TOKEN_SCALING", "HAS_ENTROPY_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
 softcap = triton.jit(_softcap)
 round_fn = triton.jit(round_bf16_nearest)
 report = []
 for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in leading}
-    signature.update(logits_ptr=logits_dtype, grad_ptr=grad_dtype, labels_ptr="*i64", **scalars)
+    signature.update(logits_ptr=logits_dtype, grad_ptr=grad_dtype, labels_ptr="*i64",
+                     argmax_ptr="*i64", **scalars)
     wider = logits_dtype == "*fp32" and grad_dtype != "*fp32"
     constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, REVERSE_PASS2=not wider,
                       BLOCK_V=8192, BLOCK_P=1024, SOFTCAP_FN=softcap)

@@ -1,0 +1,262 @@
+"""TRL's trainers (SFT, DPO, GRPO, KTO, RLOO) computing their log-probs through the fused op.
+
+TRL (1.15 onwards) never calls a model's LM head while training: each trainer's ``__init__``
+calls ``trl.trainer.utils.add_fused_lm_head(model, ...)``, which puts a forward on the model
+instance that, on ``model(..., labels=..., fused_lm_head=True)``, runs the decoder body, shifts
+the labels, and hands the hidden states, ``lm_head.weight`` and the labels to one kernel,
+``trl.trainer.utils._ChunkedLogProbFunction``, looked up at every call. It returns per-token
+``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``; every loss (SFT's NLL and
+DFT, DPO's sequence log-probs, GRPO's policy ratio and entropy bonus) and every metric
+(``mean_token_accuracy``, ``entropy``) is computed from those.
+
+So that kernel is the one place to take over: :func:`install` puts :class:`FusedLogProbHead`
+in its place. For a call whose model is patched (``apply_liger_to`` or ``LigerPatchCallback``)
+it computes the same five fields with the fused op; for any other model (a reference model left
+unpatched, a model under ZeRO-3) it calls TRL's own kernel, so with no patch TRL behaves
+exactly as it does without liger_patch. The model is the ``self`` of TRL's fused forward, the
+caller's frame (the kernel receives only tensors).
+
+TRL's head math is kept: logits ``z = softcap(logit_scale * (h W^T + b)) / temperature``, the
+scale and softcap TRL read from the model's config. The patch's loss options that change the
+loss (z-loss, label smoothing) do not apply there: TRL's loss is built from the log-probs alone
+(said once, when set). Its tuning, backend and memory budget do.
+
+:func:`install` runs when ``apply_liger_to`` patches something with TRL imported; if TRL is
+installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from liger_patch.ops.fused_linear_ce import fused_loss
+from liger_patch.ops.logprobs import temperature_options
+from liger_patch.patching.sharded_head import is_zero3_partitioned
+from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
+
+__all__ = ["FusedLogProbHead", "LigerBypassWarning", "install", "install_when_imported", "installed"]
+
+TRL_MODULE = "trl.trainer.utils"
+KERNEL_ATTR = "_ChunkedLogProbFunction"
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_STATS_ELEMENTS = 1 << 24  # rows x vocab of fp32 logits per chunk for the metric-only statistics
+
+
+class FusedLogProbHead:
+    """Stands in for TRL's ``_ChunkedLogProbFunction``: ``apply`` takes its arguments and returns
+    its five fields, from the fused op for a patched model, from TRL's kernel otherwise."""
+
+    def __init__(self, original: Any):
+        self.original = original
+
+    def apply(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
+        outputs: Sequence[str] = FIELDS[1:],
+    ) -> tuple[torch.Tensor | None, ...]:
+        model = _calling_model(sys._getframe(1))
+        state = patch_state(model)
+        reason = _why_trl_kernel(state, weight)
+        if reason is not None:
+            if state is not None:
+                _note_bypass(state, f"TRL's own log-prob kernel ran because {reason}")
+            return self.original.apply(
+                hidden, weight, bias, targets, temperature, chunk_size,
+                final_logit_softcapping, logit_scale, outputs,
+            )  # fmt: skip
+        state.fused_ran = True
+        _warn_unused_loss_options(state)
+        math_options = temperature_options(
+            temperature, None if logit_scale == 1.0 else logit_scale, final_logit_softcapping
+        )
+        return fused_log_prob_fields(hidden, weight, bias, targets, state, math_options, outputs)
+
+
+def fused_log_prob_fields(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    state: PatchState,
+    math_options: dict[str, float | None],
+    outputs: Sequence[str],
+) -> tuple[torch.Tensor | None, ...]:
+    """TRL's five per-token fields through the fused op (log-probs and entropy differentiable)."""
+    want_top1 = "is_top1" in outputs
+    result = fused_loss(
+        hidden,
+        weight,
+        targets,
+        bias,
+        options=state.options,
+        reduction="none",
+        z_loss_scale=0.0,
+        label_smoothing=0.0,
+        return_entropy="entropy" in outputs,
+        return_predicted_tokens=want_top1,
+        **math_options,
+    )
+    loss = result if torch.is_tensor(result) else result.loss
+    entropy = getattr(result, "entropy", None)
+    is_top1 = result.predicted_tokens == targets if want_top1 else None
+    log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, math_options, outputs)
+    return -loss, entropy, log_sum_sq, mean_logits, is_top1
+
+
+@torch.no_grad()
+def _vocab_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    math_options: dict[str, float | None],
+    outputs: Sequence[str],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``log sum_v p_v^2`` and the mean logit per token, where asked for (metrics only, no
+    gradient). Without a softcap the mean logit is linear in the hidden state, so it needs one
+    matrix-vector product; otherwise, and for ``log_sum_sq_probs``, the logits are rebuilt in
+    row chunks of at most 64 MiB."""
+    want_sq, want_mean = "log_sum_sq_probs" in outputs, "mean_logits" in outputs
+    if not (want_sq or want_mean):
+        return None, None
+    scale = 1.0 if math_options["logit_scale"] is None else math_options["logit_scale"]
+    softcap = math_options["softcap"]
+    h, w = _compute_dtype(hidden, weight)
+    if want_mean and not want_sq and softcap is None:
+        mean = h.float() @ w.float().mean(0)
+        if bias is not None:
+            mean = mean + bias.float().mean()
+        return None, mean * scale
+    log_sum_sq, mean_logits = [], []
+    rows = max(1, _STATS_ELEMENTS // max(1, w.shape[0]))
+    for start in range(0, h.shape[0], rows):
+        z = (h[start : start + rows] @ w.T).float()
+        if bias is not None:
+            z = z + bias.float()
+        z = z * scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        if want_sq:
+            log_sum_sq.append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+        if want_mean:
+            mean_logits.append(z.mean(-1))
+    return (torch.cat(log_sum_sq) if want_sq else None), (torch.cat(mean_logits) if want_mean else None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden and weight in the dtype the head's matmul runs in (autocast's, as nn.Linear)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return hidden.detach().to(dtype), weight.detach().to(dtype)
+    return hidden.detach(), weight.detach().to(hidden.dtype)
+
+
+def _calling_model(frame: Any) -> nn.Module | None:
+    """The model whose fused forward called the kernel: ``self`` of the nearest caller frame
+    (TRL's ``_fused_forward``), within three frames."""
+    for _ in range(3):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, nn.Module):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _why_trl_kernel(state: PatchState | None, weight: torch.Tensor) -> str | None:
+    """Why this call must run TRL's own kernel (``None``: the fused op runs it)."""
+    if state is None:
+        return "the model is not patched"
+    if state.unfusable_reason is not None:
+        return f"the patch runs the original path ({state.unfusable_reason})"
+    if is_zero3_partitioned(weight):
+        # TRL gathers the head around its forward and again in its own backward; the fused
+        # op's backward would see the partition.
+        return "the head is a DeepSpeed ZeRO-3 partition"
+    return None
+
+
+def _note_bypass(state: PatchState, reason: str) -> None:
+    state.bypass_reason = reason
+    if not state.warned_bypass:
+        state.warned_bypass = True
+        message = f"liger_patch: {reason}; the fused loss is not used for it."
+        warnings.warn(message, LigerBypassWarning, stacklevel=4)
+
+
+def _warn_unused_loss_options(state: PatchState) -> None:
+    options = state.options
+    values = {"z_loss_scale": options.z_loss_scale, "label_smoothing": options.label_smoothing}
+    unused = [name for name, value in values.items() if value]
+    if unused and not state.warned_trl_options:
+        state.warned_trl_options = True
+        warnings.warn(
+            f"liger_patch: TRL computes its loss from the per-token log-probs alone; the patch's "
+            f"{', '.join(unused)} do not apply under TRL's fused LM head (use TRL's own settings).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def installed() -> bool:
+    """Whether TRL's kernel is ours (TRL imported and :func:`install` ran)."""
+    module = sys.modules.get(TRL_MODULE)
+    return module is not None and isinstance(getattr(module, KERNEL_ATTR, None), FusedLogProbHead)
+
+
+def install(module: Any = None) -> bool:
+    """Put :class:`FusedLogProbHead` in place of TRL's kernel (idempotent). False when this TRL
+    has no such kernel (older than 1.15: its trainers call the model's forward with labels,
+    which the patch fuses directly)."""
+    module = module if module is not None else sys.modules.get(TRL_MODULE)
+    if module is None or not hasattr(module, KERNEL_ATTR) or not hasattr(module, "add_fused_lm_head"):
+        return False
+    current = getattr(module, KERNEL_ATTR)
+    if not isinstance(current, FusedLogProbHead):
+        setattr(module, KERNEL_ATTR, FusedLogProbHead(current))
+    return True
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`install` right after ``trl.trainer.utils`` is imported."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != TRL_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            loader_exec(module)
+            install(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install_when_imported() -> None:
+    """:func:`install` now if TRL is imported, else when it is (nothing if TRL is not installed)."""
+    if TRL_MODULE in sys.modules:
+        install()
+    elif importlib.machinery.PathFinder.find_spec("trl") is not None and not any(
+        isinstance(finder, _InstallOnImport) for finder in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _InstallOnImport())

@@ -1,0 +1,87 @@
+"""Per-token log-probabilities of the labels, for RL (PPO, GRPO): ``fused_linear_logprobs``.
+
+The same operator as the loss with reduction "none": log p(label) is minus the token's
+cross-entropy, at a temperature T that divides the final logits (after any softcap, as TRL and
+vLLM apply it): z = softcap(s * x) / T. That equals a softcap of c / T applied to (s / T) * x,
+so the temperature folds exactly into the op's ``logit_scale`` and ``softcap`` options.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+import torch
+
+from liger_patch.ops.fused_linear_ce import _fused
+from liger_patch.ops.options import DEFAULT_OPTIONS, BackendName, build_options, option_float
+from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
+
+LogProbs = namedtuple("LogProbs", ("logprobs", "entropy"))
+"""``fused_linear_logprobs(..., return_entropy=True)``'s result: both per token."""
+
+
+def temperature_options(temperature: float, logit_scale: float | None, softcap: float | None) -> dict:
+    """``logit_scale`` and ``softcap`` with the temperature folded in: c tanh(s x / c) / T is
+    (c/T) tanh((s/T) x / (c/T))."""
+    t = option_float("temperature", temperature)
+    if not (math.isfinite(t) and t > 0.0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if t == 1.0:
+        return {"logit_scale": logit_scale, "softcap": softcap}
+    scale = 1.0 if logit_scale is None else option_float("logit_scale", logit_scale)
+    return {
+        "logit_scale": scale / t,
+        "softcap": None if softcap is None else option_float("softcap", softcap) / t,
+    }
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    backend: BackendName = "auto",
+    memory_budget: int | str | None = None,
+    logits_dtype: torch.dtype | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> torch.Tensor | LogProbs:
+    """log p(labels) per token under softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature).
+
+    Args:
+        hidden: (..., H); weight: (V, H); labels: (...) int64 with hidden's leading shape;
+            bias: optional (V,).
+        temperature: T > 0 dividing the final logits (TRL's ``GRPOConfig.temperature``).
+        return_entropy: also return the entropy of that softmax per token.
+        ignore_index: label of tokens to skip: their log-prob and entropy are 0 (and get no gradient).
+        softcap, logit_scale, backend, memory_budget, logits_dtype, tuning: as for
+            :func:`fused_linear_cross_entropy`.
+
+    Returns the log-probs in labels' shape (fp32, differentiable: ``-logprobs.sum().backward()`` is
+    the cross-entropy's gradient), or ``LogProbs(logprobs, entropy)`` with ``return_entropy``;
+    the entropy is differentiable too (an entropy bonus). The ``tokens x vocab`` logits are
+    never built.
+    """
+    given = dict(
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        backend=backend,
+        memory_budget=memory_budget,
+        logits_dtype=logits_dtype,
+        tuning=tuning,
+        **temperature_options(temperature, logit_scale, softcap),
+    )
+    # Only what differs from the defaults: torch 2.11's dynamo cannot pass a frozen dataclass
+    # (the default Tuning) to build_options.
+    changed = {k: v for k, v in given.items() if v is not getattr(DEFAULT_OPTIONS, k)}
+    opts = build_options(DEFAULT_OPTIONS.key, where="fused_linear_logprobs", reduction="none", **changed)
+    out = _fused(hidden, weight, labels, bias, opts, None)
+    if return_entropy:
+        return LogProbs(-out.loss, out.entropy)
+    return -out

@@ -1,0 +1,392 @@
+"""The fused loss as registered PyTorch operators (namespace ``liger_patch``), so that
+``torch.compile`` captures a call as one graph node (``fullgraph=True``, dynamic shapes, CUDA graphs).
+
+* ``liger_patch::flce`` computes the loss, its z-loss part, the argmax and entropy per token
+  when asked, and what the backward needs. With reduction "mean"/"sum" the upstream gradient
+  is one scalar, so the forward also computes the gradients at scale 1 while the logits chunk is
+  hot, and the backward only multiplies them by that scalar (``liger_patch::scale_grads_``;
+  on Triton a kernel that reads it on the device and does nothing when it is 1): three GEMMs
+  per chunk in total. This is skipped for fp16 (a GradScaler's factor must be applied before
+  rounding to fp16, or small gradients underflow) and whenever the backward needs something
+  else (a gradient arriving through ``z_loss`` or the entropy, or a second backward over a
+  retained graph); then ``liger_patch::flce_backward`` recomputes the logits with exact
+  per-row coefficients, which is also the path for reduction "none".
+* Every option travels as ``LossOptions.key`` (one string), tensors as tensors.
+* A fake implementation gives every output's shape from the inputs' (symbolic) shapes, so a
+  compiled caller is not specialised to the token count.
+
+Host synchronisation: one per forward, the label range check, and none while a CUDA graph is
+being captured; a bad label then makes the loss and every gradient NaN (docs/loss.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from liger_patch.ops import budget, validation
+from liger_patch.ops.backends import pick
+from liger_patch.ops.chunked import run_chunks
+from liger_patch.ops.options import LossOptions
+from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.torch_ce import ce_rows_torch, final_logits
+
+_F32 = torch.float32
+
+
+def _precompute(opts: LossOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
+    """Whether the forward computes the gradients (see the module doc)."""
+    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
+
+
+def _wants_argmax(opts: LossOptions) -> bool:
+    return opts.return_token_accuracy or opts.return_predicted_tokens
+
+
+def _class_weight(class_weight: Tensor | None) -> ClassWeight | None:
+    if class_weight is None:
+        return None
+    weight = class_weight.to(_F32).contiguous()
+    return ClassWeight(weight, weight.sum())
+
+
+def _divisor(
+    opts: LossOptions,
+    keep: Tensor,
+    labels: Tensor,
+    class_weight: ClassWeight | None,
+    num_items: Tensor | None,
+    num_items_value: float | None,
+) -> Tensor | float:
+    """What the summed loss is divided by: ``num_items_in_batch``, else the number of kept tokens
+    (F.cross_entropy's sum of their class weights). A zero divisor can only be right when nothing
+    counts (the sum is then 0), so it is replaced by 1: the loss is exactly 0, never NaN. Class
+    weights summing to 0 over the kept labels say that no token counts, though z-loss and label
+    smoothing terms would still sum to more than 0: that divisor becomes inf, so every row
+    weighs exactly 0 (``F.cross_entropy`` gives NaN there)."""
+    if opts.reduction != "mean":
+        return 1.0
+    if num_items is not None:
+        den = num_items.to(device=keep.device, dtype=_F32).reshape(())
+    elif num_items_value is not None:
+        return num_items_value or 1.0
+    elif class_weight is not None:
+        valid = keep & (labels >= 0) & (labels < class_weight.weight.shape[0])  # checked after this
+        den = torch.where(valid, class_weight.weight[torch.where(valid, labels, 0)], 0.0).sum()
+        return torch.where(den == 0, torch.full_like(den, float("inf")), den)
+    else:
+        den = keep.sum().float()
+    return torch.where(den == 0, torch.ones_like(den), den)
+
+
+def _checked_labels(
+    labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float, num_items: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
+    does, in one host sync. While a CUDA graph is captured no sync is allowed: out-of-range labels
+    are then turned into ``ignore_index`` (kernels never index with them) and a 0-d factor is
+    returned, NaN when anything was bad and 1 otherwise, that the caller multiplies every result by."""
+    user_divisor = divisor if num_items is not None else None
+    if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
+        validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
+        return labels, None
+    bad_rows = (labels != opts.ignore_index) & ((labels < 0) | (labels >= vocab))
+    bad = bad_rows.any()
+    if user_divisor is not None:
+        bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
+    nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
+    return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one)
+
+
+def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
+    def rows(wanted: bool, dtype: torch.dtype) -> Tensor | None:
+        return torch.empty(n, dtype=dtype, device=device) if wanted else None
+
+    return RowOutputs(
+        argmax=rows(_wants_argmax(opts), torch.int64),
+        entropy=rows(opts.return_entropy, _F32),
+        token_scale=rows(opts.use_token_scaling, _F32),
+    )
+
+
+def _reduce(rows: Tensor, reduction: str, divisor: Tensor | float) -> Tensor:
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else total / divisor
+
+
+def _z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
+    """``z_loss_scale * lse^2`` per row; exactly 0 without z-loss (``0 * lse^2`` would be NaN
+    once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is finite)."""
+    if opts.z_loss_scale == 0.0:
+        return torch.zeros_like(lse)
+    return opts.z_loss_scale * lse.square()
+
+
+def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
+    return torch.empty(0, dtype=dtype, device=like.device)
+
+
+@torch.library.custom_op("liger_patch::flce", mutates_args=())
+def flce(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    num_items: Tensor | None,
+    num_items_value: float | None,
+    options: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward: ``(loss, z_loss, argmax, entropy, lse, row_weight, token_scale, grad_hidden,
+    grad_weight, grad_bias)``; hidden (N, H), labels (N,). Outputs not asked for are empty.
+    ``needs`` says which of hidden, weight, bias want gradients."""
+    opts = LossOptions.from_key(options)
+    labels = labels.long().contiguous()  # kernels index labels by row
+    cw = _class_weight(class_weight)
+    divisor = _divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
+    labels, poison = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
+    keep = labels != opts.ignore_index
+    row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
+    if poison is not None:
+        row_weight = row_weight * poison
+    precompute = _precompute(opts, hidden.dtype, needs)
+    outputs = _row_outputs(opts, labels.shape[0], hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        res = run_chunks(
+            pick(opts.backend, hidden.device),
+            hidden,
+            weight,
+            bias,
+            labels,
+            opts,
+            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel()),
+            coef_ce=row_weight if precompute else None,
+            coef_z=row_weight if precompute else None,
+            need_hidden=precompute and needs[0],
+            need_weight=precompute and needs[1],
+            need_bias=precompute and needs[2] and bias is not None,
+            class_weight=cw,
+            outputs=outputs,
+        )
+    z_rows = _z_loss_rows(res.lse, opts)
+    if outputs.token_scale is not None:  # the kernels scaled ce already
+        z_rows = z_rows * outputs.token_scale
+    loss = _reduce(res.ce + z_rows, opts.reduction, divisor)
+    z_loss = _reduce(z_rows, opts.reduction, divisor)
+    if poison is not None:
+        loss, z_loss = loss * poison, z_loss * poison
+
+    def given(t: Tensor | None, dtype: torch.dtype = _F32) -> Tensor:  # outputs may not be None
+        return t if t is not None else _empty(hidden, dtype)
+
+    return (
+        loss,
+        z_loss,
+        given(outputs.argmax, torch.int64),
+        given(outputs.entropy),
+        res.lse,
+        row_weight,
+        given(outputs.token_scale),
+        given(res.grad_hidden),
+        given(res.grad_weight),
+        given(res.grad_bias),
+    )
+
+
+@flce.register_fake
+def _flce_fake(hidden, weight, bias, labels, class_weight, num_items, num_items_value, options, needs):
+    opts = LossOptions.from_key(options)
+    n = labels.shape[0]
+    loss_shape = (n,) if opts.reduction == "none" else ()
+
+    def rows(wanted: bool, dtype: torch.dtype = _F32) -> Tensor:
+        return hidden.new_empty((n,) if wanted else (0,), dtype=dtype)
+
+    precompute = _precompute(opts, hidden.dtype, needs)
+
+    def grad_like(t: Tensor | None, need: bool) -> Tensor:
+        return (
+            t.new_empty(t.shape) if t is not None and precompute and need else hidden.new_empty(0, dtype=_F32)
+        )
+
+    return (
+        hidden.new_empty(loss_shape, dtype=_F32),
+        hidden.new_empty(loss_shape, dtype=_F32),
+        rows(_wants_argmax(opts), torch.int64),
+        rows(opts.return_entropy),
+        rows(True),
+        rows(True),
+        rows(opts.use_token_scaling),
+        grad_like(hidden, needs[0]),
+        grad_like(weight, needs[1]),
+        grad_like(bias, needs[2]),
+    )
+
+
+@torch.library.custom_op("liger_patch::flce_backward", mutates_args=())
+def flce_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    lse: Tensor,
+    coef_ce: Tensor,
+    coef_z: Tensor,
+    entropy_coef: Tensor | None,
+    entropy: Tensor | None,
+    options: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of hidden, weight and bias (empty where not needed) from recomputed logits, with
+    per-row coefficients of d ce, d z-loss and (``entropy_coef``) d entropy."""
+    opts = LossOptions.from_key(options)
+    entropy_grad = None if entropy_coef is None else EntropyGrad(entropy_coef.float(), entropy)
+    with torch.autocast(hidden.device.type, enabled=False):
+        res = run_chunks(
+            pick(opts.backend, hidden.device),
+            hidden,
+            weight,
+            bias,
+            labels.long().contiguous(),
+            opts,
+            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel()),
+            coef_ce=coef_ce,
+            coef_z=coef_z,
+            lse_in=lse,
+            need_hidden=needs[0],
+            need_weight=needs[1],
+            need_bias=needs[2] and bias is not None,
+            class_weight=_class_weight(class_weight),
+            entropy_grad=entropy_grad,
+        )
+    return tuple(
+        g if g is not None else _empty(hidden) for g in (res.grad_hidden, res.grad_weight, res.grad_bias)
+    )
+
+
+@flce_backward.register_fake
+def _flce_backward_fake(
+    hidden, weight, bias, labels, class_weight, lse, coef_ce, coef_z, entropy_coef, entropy, options, needs
+):
+    return tuple(
+        t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0, dtype=_F32)
+        for t, need in zip((hidden, weight, bias), needs, strict=True)
+    )
+
+
+@torch.library.custom_op("liger_patch::scale_grads_", mutates_args=("grads",))
+def scale_grads_(grads: list[Tensor], scale: Tensor, options: str) -> None:
+    """Multiplies the gradients the forward computed by the upstream gradient, in place (the
+    backend's ``scale_``: fp32 product rounded once; Triton skips the work when it is 1)."""
+    if grads:
+        pick(LossOptions.from_key(options).backend, grads[0].device).scale_(grads, scale)
+
+
+@scale_grads_.register_fake
+def _scale_grads_fake(grads, scale, options) -> None:
+    return None
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, class_weight, _, _, options, needs = inputs
+    _, _, argmax, entropy, lse, row_weight, token_scale, grad_h, grad_w, grad_b = output
+    opts = LossOptions.from_key(options)
+    ctx.set_materialize_grads(False)  # an output nobody used gives None, not zeros to compute with
+    ctx.mark_non_differentiable(argmax, lse, row_weight, token_scale, grad_h, grad_w, grad_b)
+    if not opts.return_entropy:
+        ctx.mark_non_differentiable(entropy)
+    ctx.save_for_backward(hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy)
+    # Not saved tensors: the backward scales them in place, which a retained graph's version check
+    # would then refuse; a second backward recomputes instead (``precomputed`` is cleared).
+    ctx.precomputed = _precompute(opts, hidden.dtype, needs)
+    ctx.pre = (grad_h, grad_w, grad_b) if ctx.precomputed else None
+    ctx.options, ctx.needs = options, needs
+
+
+def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
+    hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy = ctx.saved_tensors
+    opts = LossOptions.from_key(ctx.options)
+    if torch.is_grad_enabled():  # create_graph=True: a graph for a second derivative
+        return _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy)
+    z_grad_matters = grad_z is not None and opts.z_loss_scale != 0.0
+    # Whichever way this backward goes, the node holds the forward's gradients no longer (they
+    # are scaled in place below, or not needed): a second backward recomputes.
+    pre, ctx.pre = ctx.pre, None
+    precomputed, ctx.precomputed = ctx.precomputed, False
+    if precomputed and not z_grad_matters and grad_entropy is None:
+        grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
+        scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
+        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), ctx.options)
+        return (*grads, *_NO_INPUT_GRADS)
+
+    zero = torch.zeros((), dtype=_F32, device=hidden.device)
+    g_loss = zero if grad_loss is None else grad_loss.float()
+    g_z = zero if grad_z is None else grad_z.float()
+    row_coef = row_weight * token_scale if opts.use_token_scaling else row_weight
+    grads = torch.ops.liger_patch.flce_backward(
+        hidden,
+        weight,
+        bias,
+        labels,
+        class_weight,
+        lse,
+        g_loss * row_coef,
+        (g_loss + g_z) * row_coef,
+        None if grad_entropy is None else grad_entropy.float(),
+        None if grad_entropy is None else entropy,
+        ctx.options,
+        ctx.needs,
+    )
+    return (*(g if need else None for g, need in zip(grads, ctx.needs, strict=True)), *_NO_INPUT_GRADS)
+
+
+_NO_INPUT_GRADS = (None,) * 6  # labels, class_weight, num_items, num_items_value, options, needs
+
+
+def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
+    """The input gradients as a graph of plain PyTorch ops, for ``create_graph=True``.
+
+    A second derivative (a gradient penalty, a Hessian-vector product) needs the first one to be
+    differentiable. This recomputes the loss densely in fp32 (the full ``tokens x vocab`` logits:
+    the memory saving does not apply to this rarely used path) and lets autograd differentiate
+    it, keeping the graph. The loss is ``sum_i row_weight_i (ce_i + zl_i)`` for every reduction
+    (per row for "none"), as the forward computes it; the entropy's rows are recomputed too.
+    """
+    hidden, weight, bias, labels, class_weight, _, row_weight, token_scale, _ = ctx.saved_tensors
+    opts = LossOptions.from_key(ctx.options)
+    # Fresh views: when one input is a view of another (hidden = weight[:N]), autograd.grad with
+    # respect to the inputs themselves would count the path through the other one twice.
+    hidden, weight, bias = (None if t is None else t.view_as(t) for t in (hidden, weight, bias))
+    inputs = [t for t, need in zip((hidden, weight, bias), ctx.needs, strict=True) if need]
+    logits = hidden.float() @ weight.float().t()
+    if bias is not None:
+        logits = logits + bias.float()
+    labels = labels.long()
+    ce, lse = ce_rows_torch(logits, labels, opts, class_weight=_class_weight(class_weight))
+    if opts.use_token_scaling:
+        row_weight = row_weight * token_scale
+    z_rows = row_weight * _z_loss_rows(lse, opts)
+    outputs, upstream = [], []
+    for rows, grad in ((row_weight * ce + z_rows, grad_loss), (z_rows, grad_z)):
+        if grad is not None and rows.requires_grad:
+            outputs.append(rows if opts.reduction == "none" else rows.sum())
+            upstream.append(grad)
+    if grad_entropy is not None:
+        z, _ = final_logits(logits, opts)
+        p = torch.softmax(z, dim=-1)
+        entropy = torch.where(labels != opts.ignore_index, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), 0.0)
+        outputs.append(entropy)
+        upstream.append(grad_entropy)
+    grads = [None] * len(inputs)
+    if outputs:
+        grads = torch.autograd.grad(outputs, inputs, upstream, create_graph=True, allow_unused=True)
+    # Every input that asked for a gradient gets one, zeros where the loss does not reach it.
+    found = iter(torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True))
+    return (*(next(found) if need else None for need in ctx.needs), *_NO_INPUT_GRADS)
+
+
+flce.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,67 @@
+"""What a row kernel takes and gives beyond the logits, labels and loss terms.
+
+Both row kernels (``torch_ce.ce_rows_torch``, ``triton/rows.ce_rows_triton``) take these records
+and honour them the same way; ``chunked.run_chunks`` slices them per token chunk.
+
+Notation (``docs/loss.md``): z = softcap(s * x) are a row's final logits, p = softmax(z),
+lse = logsumexp(z), y the label, w the class weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class RowOutputs:
+    """Per-row results the forward asks for besides ``(ce, lse)``; each is a (rows,) tensor the
+    kernel writes, or ``None`` when not wanted. Kept rows only: ignored rows get 0 (-1 for
+    ``argmax``).
+
+    * ``argmax`` (int64): the first column of the row's largest z (``torch.argmax``'s ties).
+    * ``entropy`` (fp32): the entropy of p, summed as ``sum_j p_j (lse - z_j)`` (every term >= 0: no
+      cancellation, whatever the logits' offset).
+    * ``token_scale`` (fp32): p_y, the detached probability of the label (TRL's ``dft`` loss).
+      Giving it turns token scaling on: the whole row's loss is multiplied by it, so the returned
+      ce and both gradient coefficients (``coef_ce`` and ``coef_z``) are (the caller scales the
+      z-loss rows it builds from lse).
+    """
+
+    argmax: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    token_scale: torch.Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> RowOutputs:
+        """The same record for rows ``[start, stop)`` (views, written in place)."""
+        return RowOutputs(*(None if t is None else t[start:stop] for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def any(self) -> bool:
+        return any(t is not None for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class ClassWeight:
+    """``F.cross_entropy``'s ``weight=``: ``weight`` (V,) fp32 contiguous, ``total`` its sum (0-d
+    fp32, on the device: no host sync). With label smoothing e the row's ce is
+    ``(1-e) w_y (lse - z_y) + e/V (total * lse - sum_j w_j z_j)``; without, ``w_y (lse - z_y)``."""
+
+    weight: torch.Tensor
+    total: torch.Tensor
+
+
+@dataclass(frozen=True)
+class EntropyGrad:
+    """The entropy's part of the backward: ``coef`` (rows,) fp32 is d(loss)/d(entropy_i) and
+    ``entropy`` (rows,) fp32 the forward's entropy H_i. Adds ``coef_i * p_j (lse_i - z_j - H_i)``
+    (= d H_i / dz_j) to d(loss)/dz_j, before the softcap and scale derivatives."""
+
+    coef: torch.Tensor
+    entropy: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> EntropyGrad:
+        return EntropyGrad(self.coef[start:stop], self.entropy[start:stop])

@@ -1,0 +1,296 @@
+"""TRL's trainers through the fused op: SFT, DPO and GRPO, unmodified, with ``LigerPatchCallback``.
+
+Each test trains the same tiny model from the same seed twice, once as TRL runs it and once
+with the callback, and checks that the op computed the log-probs (its calls counted), that
+losses, metrics and the trained weights agree, and that nothing was warned. TRL's fused head
+(1.15 onwards) calls one kernel that ``liger_patch.integrations.trl`` takes over.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from liger_patch import LigerPatchCallback  # noqa: E402
+from liger_patch.integrations import trl as trl_head  # noqa: E402
+from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from tiny_trl import (  # noqa: E402
+    arithmetic_chats,
+    arithmetic_preferences,
+    arithmetic_prompts,
+    digit_reward,
+    tiny_model,
+    tiny_tokenizer,
+)
+
+if not hasattr(trl.trainer.utils, "add_fused_lm_head"):
+    pytest.skip("this TRL has no fused LM head (before 1.15)", allow_module_level=True)
+
+METRICS = ("loss", "mean_token_accuracy", "entropy")
+TOL = dict(rtol=2e-4, atol=2e-5)
+# DPO's rewards are beta * (policy - reference) sequence log-probs: a difference of sums of ~10
+# token log-probs of ~-7 each, so fp32 rounding of those sums (~1e-5 relative) is ~1e-4 here.
+# The mean logit is a mean of ~1000 logits of either sign near 0: ~1e-5 of rounding is noise.
+ATOL = {"rewards": 5e-4, "logits": 1e-4}
+# Plain SGD: Adam would turn a rounding-level difference in a near-zero gradient into a whole
+# step of the learning rate, and hide the gradients' agreement.
+OPTIMIZER = dict(optim="sgd", learning_rate=0.05)
+PARAM_TOL = dict(rtol=2e-4, atol=1e-4)  # a wrong gradient moves weights by ~1e-2 at this rate
+# The op's PyTorch backend (auto would pick the Triton kernels, interpreted on CPU in the tests:
+# tests/ops covers those).
+CALLBACK = dict(backend="torch")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How many times the fused op computed TRL's log-prob fields."""
+    calls = []
+    original = trl_head.fused_log_prob_fields
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trl_head, "fused_log_prob_fields", counted)
+    return calls
+
+
+def _common(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        logging_steps=1,
+        **OPTIMIZER,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+    )
+    base.update(overrides)
+    return base
+
+
+def _train(make_trainer, patched: bool):
+    """Log history and trained parameters of one run; warnings of ours are errors."""
+    callbacks = [LigerPatchCallback(**CALLBACK)] if patched else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LigerBypassWarning)
+        trainer = make_trainer(callbacks)
+        trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainer.state.log_history, params
+
+
+def _assert_same_run(reference, ours, keys):
+    (ref_log, ref_params), (log, params) = reference, ours
+    ref_steps = [e for e in ref_log if "loss" in e]
+    steps = [e for e in log if "loss" in e]
+    assert len(steps) == len(ref_steps) > 0
+    for ref_entry, entry in zip(ref_steps, steps, strict=True):
+        for key in keys:
+            assert key in entry, f"{key} not logged: {sorted(entry)}"
+            torch.testing.assert_close(
+                torch.tensor(entry[key]),
+                torch.tensor(ref_entry[key]),
+                rtol=TOL["rtol"],
+                atol=ATOL.get(key.split("/")[0], TOL["atol"]),
+                msg=lambda m, k=key: f"{k}: {m}",
+            )
+    assert ref_params.keys() == params.keys()
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], **PARAM_TOL, msg=lambda m, n=name: f"param {n}: {m}")
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def _sft(tmp_path, *, peft=False, **config):
+    def make(callbacks):
+        peft_config = None
+        if peft:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+            )
+        return trl.SFTTrainer(
+            model=tiny_model(seed=1),
+            args=trl.SFTConfig(**_common(tmp_path, **config)),
+            train_dataset=arithmetic_chats(48),
+            processing_class=tiny_tokenizer(),
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(gradient_accumulation_steps=2),
+        dict(gradient_accumulation_steps=2, packing=True, max_length=64),
+        dict(gradient_accumulation_steps=1, loss_type="dft"),
+        dict(
+            gradient_accumulation_steps=2, assistant_only_loss=False, completion_only_loss=None, packing=False
+        ),
+    ],
+    ids=["accumulation", "packing", "dft", "all-tokens"],
+)
+def test_sft_trains_through_the_op_with_trl_metrics(tmp_path, op_calls, config):
+    reference = _train(_sft(tmp_path / "trl", **config), patched=False)
+    assert not op_calls, "the op ran without the callback"
+    ours = _train(_sft(tmp_path / "ours", **config), patched=True)
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    assert len(op_calls) == 3 * accumulation, op_calls  # one per micro-batch
+    _assert_same_run(reference, ours, METRICS)
+
+
+def test_sft_with_lora(tmp_path, op_calls):
+    reference = _train(_sft(tmp_path / "trl", peft=True, gradient_accumulation_steps=2), patched=False)
+    ours = _train(_sft(tmp_path / "ours", peft=True, gradient_accumulation_steps=2), patched=True)
+    assert len(op_calls) == 6
+    _assert_same_run(reference, ours, METRICS)
+
+
+# ---------------------------------------------------------------- DPO
+
+
+def _dpo(tmp_path, **config):
+    def make(callbacks):
+        return trl.DPOTrainer(
+            model=tiny_model(seed=2),
+            ref_model=tiny_model(seed=2),
+            args=trl.DPOConfig(**_common(tmp_path, **config)),
+            train_dataset=arithmetic_preferences(24),
+            processing_class=tiny_tokenizer(),
+            callbacks=callbacks,
+        )
+
+    return make
+
+
+DPO_KEYS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "logits/chosen")
+DPO_KEYS += ("logits/rejected", "mean_token_accuracy", "entropy", "loss")
+
+
+def test_dpo_log_probs_come_from_the_op(tmp_path, op_calls):
+    config = dict(gradient_accumulation_steps=2, beta=0.5)
+    reference = _train(_dpo(tmp_path / "trl", **config), patched=False)
+    ours = _train(_dpo(tmp_path / "ours", **config), patched=True)
+    # the policy's chosen + rejected batch, once per micro-batch; the unpatched reference model
+    # stays on TRL's kernel
+    assert len(op_calls) == 6, op_calls
+    # the first optimizer step, before any update: every logged value
+    first = ([next(e for e in reference[0] if "loss" in e)], reference[1])
+    _assert_same_run(first, ([next(e for e in ours[0] if "loss" in e)], reference[1]), DPO_KEYS)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: over 3 DPO steps the logged grad_norm differs by ~0.15 % from the first step on "
+    "(3.2825 TRL vs 3.2775 ours) although the loss, log-probs and the gradients of compute_loss "
+    "over the same two micro-batches agree to 1e-4 outside train(); later log-probs drift by ~1e-3",
+)
+def test_dpo_several_steps_equal_trls(tmp_path):
+    config = dict(gradient_accumulation_steps=2, beta=0.5)
+    reference = _train(_dpo(tmp_path / "trl", **config), patched=False)
+    ours = _train(_dpo(tmp_path / "ours", **config), patched=True)
+    _assert_same_run(reference, ours, (*DPO_KEYS, "grad_norm"))
+
+
+# ---------------------------------------------------------------- GRPO
+
+
+def _grpo(tmp_path, **config):
+    # by path, as users pass it: GRPO loads its reference model (beta > 0) from the same name
+    checkpoint = tmp_path / "checkpoint"
+    tiny_model(seed=3).save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+
+    def make(callbacks):
+        torch.manual_seed(0)
+        return trl.GRPOTrainer(
+            model=str(checkpoint),
+            reward_funcs=digit_reward,
+            args=trl.GRPOConfig(
+                **_common(
+                    tmp_path,
+                    per_device_train_batch_size=4,
+                    num_generations=4,
+                    max_completion_length=8,
+                    max_steps=2,
+                    temperature=0.7,
+                    beta=0.1,
+                    **config,
+                )
+            ),
+            train_dataset=arithmetic_prompts(16),
+            processing_class=tiny_tokenizer(),
+            callbacks=callbacks,
+        )
+
+    return make
+
+
+def test_grpo_log_probs_and_entropy_come_from_the_op(tmp_path, op_calls):
+    reference = _train(_grpo(tmp_path / "trl"), patched=False)
+    ours = _train(_grpo(tmp_path / "ours"), patched=True)
+    assert len(op_calls) >= 2, op_calls  # the policy's log-probs and entropy in each step
+    _assert_same_run(reference, ours, ("loss", "entropy", "kl", "reward"))
+
+
+# ---------------------------------------------------------------- the hook itself
+
+
+def test_unpatched_models_keep_trls_kernel(tmp_path, op_calls):
+    """With the hook installed (an earlier patch did it) an unpatched model runs TRL's own kernel."""
+    from liger_patch import apply_liger_to
+
+    apply_liger_to(tiny_model(seed=4))
+    assert trl_head.installed()
+    model = tiny_model(seed=5)
+    trl.trainer.utils.add_fused_lm_head(model, outputs=("entropy", "is_top1"))
+    ids = torch.randint(3, 200, (2, 9))
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert not op_calls and torch.isfinite(out.loss)
+
+
+def test_fields_equal_trls_kernel_for_every_output_and_head_math():
+    """The five fields at a temperature, with a scale, softcap and bias, against TRL's kernel:
+    values and the gradients of log-probs and entropy."""
+    from liger_patch import apply_liger_to
+
+    model = tiny_model(seed=6)
+    apply_liger_to(model)
+    state = model._liger_patch_state
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 64, generator=gen, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(301, 64, generator=gen) * 0.2).requires_grad_()
+    b = torch.randn(301, generator=gen).requires_grad_()
+    y = torch.randint(0, 301, (37,), generator=gen)
+    original = trl_head.FusedLogProbHead(trl.kernels.ChunkedLogProbFunction).original
+    args = (0.7, 64, 5.0, 1.3, trl_head.FIELDS[1:])
+    expected = original.apply(h, w, b, y, *args)
+    math_options = trl_head.temperature_options(0.7, 1.3, 5.0)
+    got = trl_head.fused_log_prob_fields(h, w, b, y, state, math_options, trl_head.FIELDS[1:])
+    for name, e, g in zip(trl_head.FIELDS, expected, got, strict=True):
+        if e.dtype == torch.bool:
+            assert torch.equal(g, e), name
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    up = torch.randn(2, 37, generator=gen)
+    grads = torch.autograd.grad((expected[0] * up[0] + expected[1] * up[1]).sum(), (h, w, b))
+    ours = torch.autograd.grad((got[0] * up[0] + got[1] * up[1]).sum(), (h, w, b))
+    for name, e, g in zip("hwb", grads, ours, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
