@@ -75,6 +75,17 @@ def _ieee_fp32_matmuls():
     yield
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """One torch thread for a module of tiny ops (``pytestmark = pytest.mark.usefixtures(...)``):
+    they gain nothing from threads, and on a busy CPU the hand-offs cost 100x the work. The
+    setting is restored for the other modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")

@@ -316,3 +316,11 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
         return torch.full(logits.shape[:1], float("inf"), dtype=logits.dtype)
     top = logits.topk(2, dim=-1).values
     return top[:, 0] - top[:, 1]
+
+
+def examples(share: float):
+    """A hypothesis ``settings`` with this test's share of the profile's max_examples (the
+    profiles live in tests/conftest.py; the Triton interpreter is slow)."""
+    from hypothesis import settings
+
+    return settings(max_examples=max(1, round(settings.default.max_examples * share)))

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from liger_patch.integrations.trl import installed as trl_head_installed
 from liger_patch.patching.apply import apply_liger_to, checked_options, options_signature, with_options_doc
 from liger_patch.patching.forward import bypass_message
-from liger_patch.patching.state import LigerBypassWarning, PatchState, base_model_of, patch_state
+from liger_patch.patching.state import PatchState, base_model_of, patch_state
 
 __all__ = ["LigerPatchCallback"]
 
@@ -61,9 +61,7 @@ class LigerPatchCallback(TrainerCallback):
         if patch is not None:
             patch.z_loss_tracker.end_step()
             if not patch.fused_ran and not patch.warned_bypass:
-                patch.warned_bypass = True
-                message = bypass_message(model, _why_bypassed(model, patch))
-                warnings.warn(message, LigerBypassWarning, stacklevel=2)
+                patch.warn_bypass_once(bypass_message(model, _why_bypassed(model, patch)), stacklevel=2)
         return control
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):

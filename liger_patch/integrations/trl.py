@@ -37,8 +37,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.ops.fused_linear_ce import fused_loss
+from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
 from liger_patch.ops.logprobs import temperature_options
+from liger_patch.ops.options import LossOptions, build_options, constant_changes
+from liger_patch.ops.torch_ce import final_logits
 from liger_patch.patching.sharded_head import is_zero3_partitioned
 from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
@@ -98,12 +100,7 @@ def fused_log_prob_fields(
 ) -> tuple[torch.Tensor | None, ...]:
     """TRL's five per-token fields through the fused op (log-probs and entropy differentiable)."""
     want_top1 = "is_top1" in outputs
-    result = fused_loss(
-        hidden,
-        weight,
-        targets,
-        bias,
-        options=state.options,
+    changes = dict(
         reduction="none",
         z_loss_scale=0.0,
         label_smoothing=0.0,
@@ -111,10 +108,12 @@ def fused_log_prob_fields(
         return_predicted_tokens=want_top1,
         **math_options,
     )
+    options = build_options(state.options.key, **constant_changes(changes))
+    result = fused_loss(hidden, weight, targets, bias, options=options)
     loss = result if torch.is_tensor(result) else result.loss
     entropy = getattr(result, "entropy", None)
     is_top1 = result.predicted_tokens == targets if want_top1 else None
-    log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, math_options, outputs)
+    log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, options, outputs)
     return -loss, entropy, log_sum_sq, mean_logits, is_top1
 
 
@@ -123,7 +122,7 @@ def _vocab_statistics(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    math_options: dict[str, float | None],
+    options: LossOptions,
     outputs: Sequence[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``log sum_v p_v^2`` and the mean logit per token, where asked for (metrics only, no
@@ -133,37 +132,24 @@ def _vocab_statistics(
     want_sq, want_mean = "log_sum_sq_probs" in outputs, "mean_logits" in outputs
     if not (want_sq or want_mean):
         return None, None
-    scale = 1.0 if math_options["logit_scale"] is None else math_options["logit_scale"]
-    softcap = math_options["softcap"]
-    h, w = _compute_dtype(hidden, weight)
-    if want_mean and not want_sq and softcap is None:
+    h, w, _ = autocast_inputs(hidden.detach(), weight.detach(), None)  # the head's matmul dtype
+    if want_mean and not want_sq and options.softcap is None:
         mean = h.float() @ w.float().mean(0)
         if bias is not None:
             mean = mean + bias.float().mean()
-        return None, mean * scale
+        return None, mean * options.scale
     log_sum_sq, mean_logits = [], []
     rows = max(1, _STATS_ELEMENTS // max(1, w.shape[0]))
     for start in range(0, h.shape[0], rows):
-        z = (h[start : start + rows] @ w.T).float()
+        x = (h[start : start + rows] @ w.T).float()
         if bias is not None:
-            z = z + bias.float()
-        z = z * scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
+            x = x + bias.float()
+        z, _ = final_logits(x, options)
         if want_sq:
             log_sum_sq.append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
         if want_mean:
             mean_logits.append(z.mean(-1))
     return (torch.cat(log_sum_sq) if want_sq else None), (torch.cat(mean_logits) if want_mean else None)
-
-
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden and weight in the dtype the head's matmul runs in (autocast's, as nn.Linear)."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        return hidden.detach().to(dtype), weight.detach().to(dtype)
-    return hidden.detach(), weight.detach().to(hidden.dtype)
 
 
 def _calling_model(frame: Any) -> nn.Module | None:
@@ -194,10 +180,7 @@ def _why_trl_kernel(state: PatchState | None, weight: torch.Tensor) -> str | Non
 
 def _note_bypass(state: PatchState, reason: str) -> None:
     state.bypass_reason = reason
-    if not state.warned_bypass:
-        state.warned_bypass = True
-        message = f"liger_patch: {reason}; the fused loss is not used for it."
-        warnings.warn(message, LigerBypassWarning, stacklevel=4)
+    state.warn_bypass_once(f"liger_patch: {reason}; the fused loss is not used for it.", stacklevel=4)
 
 
 def _warn_unused_loss_options(state: PatchState) -> None:

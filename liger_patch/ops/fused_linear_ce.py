@@ -27,7 +27,7 @@ from liger_patch.ops.options import (
 )
 
 
-def _autocast_inputs(hidden, weight, bias):
+def autocast_inputs(hidden, weight, bias):
     """Inside torch.autocast, cast like nn.Linear would; outside it, dtypes must already match."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -50,7 +50,7 @@ def _fused(
     validation.check_num_items(num_items_in_batch, opts.reduction)
     validation.check_tensors(hidden, weight, labels, bias)
     validation.check_class_weight(class_weight, weight)
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
     h2d = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     flat_labels = labels.reshape(-1)

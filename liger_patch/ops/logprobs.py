@@ -14,7 +14,13 @@ from collections import namedtuple
 import torch
 
 from liger_patch.ops.fused_linear_ce import _fused
-from liger_patch.ops.options import DEFAULT_OPTIONS, BackendName, build_options, option_float
+from liger_patch.ops.options import (
+    DEFAULT_OPTIONS,
+    BackendName,
+    build_options,
+    constant_changes,
+    option_float,
+)
 from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
 
 LogProbs = namedtuple("LogProbs", ("logprobs", "entropy"))
@@ -77,10 +83,9 @@ def fused_linear_logprobs(
         tuning=tuning,
         **temperature_options(temperature, logit_scale, softcap),
     )
-    # Only what differs from the defaults: torch 2.11's dynamo cannot pass a frozen dataclass
-    # (the default Tuning) to build_options.
-    changed = {k: v for k, v in given.items() if v is not getattr(DEFAULT_OPTIONS, k)}
-    opts = build_options(DEFAULT_OPTIONS.key, where="fused_linear_logprobs", reduction="none", **changed)
+    opts = build_options(
+        DEFAULT_OPTIONS.key, where="fused_linear_logprobs", reduction="none", **constant_changes(given)
+    )
     out = _fused(hidden, weight, labels, bias, opts, None)
     if return_entropy:
         return LogProbs(-out.loss, out.entropy)

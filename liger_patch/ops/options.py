@@ -84,16 +84,6 @@ class LossOptions:
         )
 
     @property
-    def wants_outputs(self) -> bool:
-        """Whether any output besides the loss is returned."""
-        return (
-            self.return_z_loss
-            or self.return_token_accuracy
-            or self.return_predicted_tokens
-            or self.return_entropy
-        )
-
-    @property
     def scale(self) -> float:
         """The logit multiplier as a number (1 without ``logit_scale``)."""
         return 1.0 if self.logit_scale is None else self.logit_scale

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from liger_patch import env
 from liger_patch.ops.options import build_options
+from liger_patch.ops.outputs import OUTPUT_NAMES
 from liger_patch.patching.call import bind_call, positional_names, wants_fused_path
 from liger_patch.patching.deferred import (
     DeferredLogits,
@@ -42,7 +43,7 @@ from liger_patch.patching.deferred import (
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.lazy import lazy_imports
 from liger_patch.patching.sharded_head import fused_head_loss
-from liger_patch.patching.state import STATE_ATTR, LigerBypassWarning, PatchState
+from liger_patch.patching.state import STATE_ATTR, PatchState
 
 __all__ = [
     "CALL_FLAGS",
@@ -76,8 +77,8 @@ head, as liger-kernel's patched models accept them); they are taken out of the c
 forward never sees them) and turn that option on for the call. The outputs land on the output as
 attributes: ``outputs.token_accuracy``, ``outputs.predicted_tokens``, ``outputs.entropy``."""
 
-OUTPUT_ATTRS = ("z_loss", "token_accuracy", "predicted_tokens", "entropy")
-"""Attributes the fused path sets on a ModelOutput (``None`` when not asked for)."""
+OUTPUT_ATTRS = OUTPUT_NAMES
+"""Attributes the fused path sets on a ModelOutput, the op's outputs (``None`` when not asked for)."""
 
 
 def set_by_forward(names: list[str]) -> str:
@@ -225,9 +226,7 @@ def warn_logits_in_training(model: nn.Module, state: PatchState) -> None:
     """A training call without labels builds the full logits, and whatever takes a loss from
     them bypasses the fused op: said once per patch."""
     state.bypass_reason = "it was called in training without labels and returned the full logits"
-    if not state.warned_bypass:
-        state.warned_bypass = True
-        warnings.warn(bypass_message(model, state.bypass_reason), LigerBypassWarning, stacklevel=4)
+    state.warn_bypass_once(bypass_message(model, state.bypass_reason), stacklevel=4)
 
 
 def bypass_message(model: nn.Module, reason: str) -> str:

@@ -8,6 +8,7 @@ what ``revert_liger`` puts back, and the z-loss tracker the Trainer callback log
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,13 @@ class PatchState:
     bypass_reason: str | None = None
     warned_bypass: bool = False
     warned_trl_options: bool = False
+
+    def warn_bypass_once(self, message: str, stacklevel: int) -> None:
+        """Say ``message`` as a :class:`LigerBypassWarning`, unless this patch said one already
+        (``stacklevel`` counted from the caller)."""
+        if not self.warned_bypass:
+            self.warned_bypass = True
+            warnings.warn(message, LigerBypassWarning, stacklevel=stacklevel + 1)
 
 
 def base_model_of(model: Any) -> Any:

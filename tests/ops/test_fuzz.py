@@ -46,9 +46,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import event, given, note, settings
+from hypothesis import event, given, note
 from hypothesis import strategies as st
-from op_helpers import IGNORE_PATTERNS, TOL, ignore_mask
+from op_helpers import IGNORE_PATTERNS, TOL, examples, ignore_mask
 
 import liger_patch as lp
 from liger_patch.ops import chunked
@@ -57,27 +57,16 @@ from liger_patch.ops.reference import reference_flce
 from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
 
 # Leaves made column-major get contiguous gradients from autograd's reshape: torch says so, rightly.
-pytestmark = pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract"),
+    pytest.mark.usefixtures("one_cpu_thread"),
+]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Inputs live here: the GPU where there is one (the Triton kernels natively), else the CPU (the
 # Triton backend under the interpreter, tests/conftest.py). Random values come from CPU generators.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REDUCTIONS = ("mean", "sum", "none")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """The examples are tiny: one thread is faster, and fair to the other processes on the machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def examples(share: float) -> settings:
-    """This test's share of the profile's max_examples (the Triton interpreter is slow)."""
-    return settings(max_examples=max(1, round(settings.default.max_examples * share)))
 
 
 # ---------------------------------------------------------------- layouts

@@ -35,6 +35,7 @@ from op_helpers import (
     Case,
     assert_close,
     call_op,
+    examples,
     make_case,
     near_max,
     record_calls,
@@ -57,12 +58,7 @@ GAP_EPS = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
 H, V, N = 19, 97, 26
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def flags(outputs) -> dict:
@@ -869,12 +865,6 @@ def test_non_contiguous_inputs(gen, device, chunk_rows, backend):
 # ---------------------------------------------------------------- property test
 
 
-def _examples(share: float):
-    from hypothesis import settings
-
-    return settings(max_examples=max(1, round(settings.default.max_examples * share)))
-
-
 @st.composite
 def output_specs(draw):
     backend = draw(st.sampled_from(BACKENDS))
@@ -908,7 +898,7 @@ def output_specs(draw):
     return spec
 
 
-@_examples(0.1)
+@examples(0.1)
 @given(spec=output_specs())
 def test_outputs_property(spec):
     """Random small shapes, options and output sets against the reference (values, gradients)."""

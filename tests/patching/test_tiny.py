@@ -23,14 +23,7 @@ CASES = [
 IDS = [f"{task}:{model_type}" for model_type, task in CASES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Ops this small gain nothing from threads, and on a busy CPU the thread hand-offs cost
-    100x the work; restore the setting for the other test modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _model(model_type: str, task: str, seed: int = 0) -> torch.nn.Module:
