@@ -9,6 +9,7 @@ from liger_patch.ops import (
     fused_linear_logprobs,
 )
 from liger_patch.patching import (
+    LigerBypassWarning,
     ModelSpec,
     UnsupportedModelError,
     apply_liger_to,
@@ -33,6 +34,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FusedLinearCrossEntropyLoss",
+    "LigerBypassWarning",
     "LigerPatchCallback",
     "LogProbs",
     "ModelSpec",

@@ -3,9 +3,10 @@
 from liger_patch.patching.apply import apply_liger_to, liger_patched, revert_liger
 from liger_patch.patching.derive import supported_models
 from liger_patch.patching.registry import ModelSpec, UnsupportedModelError, register_model
-from liger_patch.patching.state import PatchState, patch_state
+from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
 __all__ = [
+    "LigerBypassWarning",
     "ModelSpec",
     "PatchState",
     "UnsupportedModelError",

@@ -76,6 +76,19 @@ def test_a_patched_model_called_without_labels_warns_once():
         model(input_ids=ids, labels=ids).loss.backward()
 
 
+def test_the_filter_the_warning_names_exists():
+    """The message says how to silence it: ``category=liger_patch.LigerBypassWarning``."""
+    model = tiny_model("llama", seed=0, dtype=torch.float32)
+    lp.apply_liger_to(model, backend="torch")
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=lp.LigerBypassWarning)
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 7)))
+    assert not caught, [str(w.message) for w in caught]
+    assert model._liger_patch_state.warned_bypass  # it was raised, and filtered
+
+
 def test_a_step_that_never_calls_the_op_warns_at_its_end(tmp_path):
     found = _train(OwnHeadTrainer, tmp_path, [lp.LigerPatchCallback(backend="torch")])
     assert len(found) == 1, [str(w.message) for w in found]
