@@ -52,6 +52,14 @@ def tiny_model(vocab_size: int = 1000, hidden_size: int = 64, seed: int = 0):
     return AutoModelForCausalLM.from_config(config)
 
 
+def tiny_checkpoint(folder: str, seed: int = 0) -> str:
+    """:func:`tiny_model` and :func:`tiny_tokenizer` saved to ``folder``: a path to pass as the
+    model name, as users pass a hub name (DPO and GRPO load their reference model from it)."""
+    tiny_model(seed=seed).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def arithmetic_chats(n: int) -> Dataset:
     """``n`` two-turn conversations in TRL's conversational format (SFT)."""
     return Dataset.from_list(

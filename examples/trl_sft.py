@@ -1,19 +1,17 @@
-"""TRL's SFTTrainer with the fused loss (needs ``pip install -e ".[examples]"``, i.e. trl).
+"""TRL's SFTTrainer, unmodified, with the fused loss (needs ``pip install -e ".[examples]"``, i.e. trl).
 
     python examples/trl_sft.py                                    # tiny Llama, CPU or GPU, offline
     python examples/trl_sft.py --model Qwen/Qwen2.5-0.5B [--lora]  # a hub checkpoint or a local path
 
-SFTTrainer is a transformers ``Trainer``, so the same callback works. Settings that matter:
-
-* ``use_liger_kernel=False`` (the default): liger_patch replaces it; do not enable both.
-* SFTTrainer computes its own loss and logs entropy and token accuracy (recent TRL through its
-  own fused head, ``fused_lm_head=True``; older TRL from ``outputs.logits``). The trainer below
-  instead takes the loss the patched model returns, as ``transformers.Trainer`` does, and so
-  skips those two metrics (the loss is untouched). To keep them, use plain ``SFTTrainer``
-  without the callback.
+One line: ``callbacks=[LigerPatchCallback()]``. TRL 1.15+ computes the SFT loss through its own
+fused LM head (``fused_lm_head=True``), whose log-probs, entropy and token accuracy our op then
+computes: the loss and the logged ``mean_token_accuracy`` and ``entropy`` are TRL's, without the
+``tokens x vocab`` logits. Leave ``use_liger_kernel`` off, or on for liger-kernel's layer kernels
+only (TRL keeps its fused head either way). If a step ever runs without the op, a
+``LigerBypassWarning`` says what took over.
 
 The default model is built from a config (2 layers, hidden 64, vocabulary 1000) with a byte-level
-tokenizer built in this file, so nothing is downloaded; bf16 is used only where the GPU supports it.
+tokenizer from ``tiny_trl.py``, so nothing is downloaded; bf16 is used only where the GPU supports it.
 """
 
 from __future__ import annotations
@@ -22,20 +20,9 @@ import argparse
 
 import torch
 from tiny_trl import arithmetic_chats, tiny_model, tiny_tokenizer
-from transformers import Trainer
 from trl import SFTConfig, SFTTrainer
 
 from liger_patch import LigerPatchCallback
-
-
-class FusedLossSFTTrainer(SFTTrainer):
-    """SFTTrainer whose loss is the model's own (the fused one), without its logits-based metrics."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs["use_cache"] = False  # as SFTTrainer does: no KV cache while training
-        return Trainer.compute_loss(
-            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,11 +49,10 @@ def main(argv: list[str] | None = None) -> None:
         logging_steps=max(1, args.steps // 10),
         learning_rate=2e-5 if args.model else 1e-3,
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-        use_liger_kernel=False,
         save_strategy="no",
         report_to=[],
     )
-    trainer = FusedLossSFTTrainer(
+    trainer = SFTTrainer(
         model=args.model or tiny_model(),
         args=config,
         train_dataset=arithmetic_chats(256),
@@ -75,8 +61,12 @@ def main(argv: list[str] | None = None) -> None:
         callbacks=[LigerPatchCallback()],
     )
     trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"first logged loss {losses[0]:.4f}, last logged loss {losses[-1]:.4f}")
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    for entry in (logged[0], logged[-1]):
+        print(
+            f"step {entry['step']}: loss {entry['loss']:.4f}  "
+            f"mean_token_accuracy {entry['mean_token_accuracy']:.3f}  entropy {entry['entropy']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -75,6 +75,20 @@ def _ieee_fp32_matmuls():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test starts from the same environment: transformers 4.57's
+    ``TrainingArguments(bf16=True)`` (every TRL config by default) writes
+    ``ACCELERATE_MIXED_PRECISION=bf16`` into ``os.environ``, and every later Trainer in the
+    process (and every worker it starts) then trained under bf16 autocast. Pytest's own
+    ``PYTEST_CURRENT_TEST`` is left to pytest."""
+    saved = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    yield
+    for key in [k for k in os.environ if k not in saved and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def one_cpu_thread():
     """One torch thread for a module of tiny ops (``pytestmark = pytest.mark.usefixtures(...)``):

@@ -1,5 +1,6 @@
 """examples/*.py run as a user runs them: a fresh interpreter, their offline defaults (a tiny
-Llama built from a config), a couple of steps; each must exit 0 and print finite losses."""
+Llama built from a config), a couple of steps; each must exit 0, print finite losses and never
+warn that a step bypassed the op."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = {"tiny_trl.py"}  # imported by the TRL examples, not run on its own
 EXAMPLES = sorted(path for path in (ROOT / "examples").glob("*.py") if path.name not in HELPERS)
 # Packages an example needs beyond the `test` extra, with how to get them.
-NEEDS = {"trl_sft.py": ("trl", 'trl is not installed (pip install -e ".[examples]")')}
+TRL = ("trl", 'trl is not installed (pip install -e ".[examples]")')
+NEEDS = {"trl_sft.py": TRL, "trl_dpo.py": TRL, "trl_grpo.py": TRL}
 LOSS = re.compile(r"\bloss:?\s+([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))", re.IGNORECASE)
 
 
@@ -41,7 +43,7 @@ def test_loss_pattern_reads_what_the_examples_print():
 
 
 def test_the_examples_are_found():
-    expected = {"plain_pytorch_loop.py", "hf_trainer_callback.py", "trl_sft.py"}
+    expected = {"plain_pytorch_loop.py", "hf_trainer_callback.py", *NEEDS}
     assert expected <= {path.name for path in EXAMPLES}
 
 
@@ -63,3 +65,4 @@ def test_example_runs_offline_and_prints_a_finite_loss(example: Path, tmp_path: 
     losses = printed_losses(done.stdout)
     assert losses, f"{example.name} printed no loss:\n{done.stdout[-3000:]}"
     assert all(math.isfinite(loss) for loss in losses), losses
+    assert "LigerBypassWarning" not in output, output[-6000:]  # every step went through the op

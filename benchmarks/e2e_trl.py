@@ -1,0 +1,224 @@
+"""End to end through TRL: ``SFTTrainer`` steps at a Qwen2.5-0.5B shape, bf16, 8 x 2048 tokens.
+
+Each variant trains the same random-init model (bf16 weights, ``bf16=True``, TRL's defaults
+otherwise: gradient checkpointing on, fused AdamW) on the same pre-tokenized rows of 2048 random
+ids, every token trained, in its own process:
+
+* ``trl``: TRL as it ships (1.15+: its own chunked fused head, ``fused_lm_head=True``);
+* ``trl_liger_kernel``: ``use_liger_kernel=True`` (TRL keeps its fused head and takes only
+  liger-kernel's layer kernels: rope, RMSNorm, SwiGLU);
+* ``liger_patch``: ``callbacks=[LigerPatchCallback()]`` (our op computes TRL's fused head);
+* ``liger_patch_liger_kernel``: both.
+
+Reported per variant: median optimizer-step time (CUDA events around each step, from the
+callback hooks) over the timed steps, the peak memory allocated over them, and the first
+step's logged loss, token accuracy and entropy (same seed, init and data for all).
+
+    python benchmarks/e2e_trl.py --out docs/results/e2e_trl.json
+    python benchmarks/e2e_trl.py --variants trl,liger_patch,trl,liger_patch   # interleaved A/B
+    python benchmarks/e2e_trl.py --smoke      # tiny model, CPU, trl and liger_patch: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import QWEN2_5_05B, GiB, environment, write_json
+
+VARIANTS = ("trl", "trl_liger_kernel", "liger_patch", "liger_patch_liger_kernel")
+BATCH, SEQ = 8, 2048
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+class StepClock:
+    """A TrainerCallback that times each optimizer step with CUDA events and measures the peak
+    memory allocated from the first timed step on."""
+
+    def __init__(self, warmup: int, cuda: bool):
+        from transformers import TrainerCallback
+
+        self.warmup, self.cuda, self.events, self.peak = warmup, cuda, [], 0
+        clock = self
+
+        class _Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                clock.begin(state.global_step)
+
+            def on_step_end(self, args, state, control, **kw):
+                clock.end(state.global_step)
+
+        self.callback = _Callback()
+
+    def begin(self, step: int) -> None:
+        import torch
+
+        if not self.cuda or step < self.warmup:
+            return
+        if step == self.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.events.append([start, None])
+
+    def end(self, step: int) -> None:
+        import torch
+
+        if self.cuda and self.events and self.events[-1][1] is None:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+            self.events[-1][1] = stop
+
+    def result(self) -> dict:
+        import torch
+
+        if not self.cuda:
+            return {"ms": None, "ms_all": [], "peak_gib": None}
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in self.events]
+        return {
+            "ms": statistics.median(times),
+            "ms_all": times,
+            "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+        }
+
+
+def build_model(smoke: bool):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    if smoke:
+        from tiny_trl import tiny_model
+
+        return tiny_model(seed=0)
+    with torch.device("cuda"):  # initialise on the GPU: CPU init of 0.5B parameters is slow
+        return AutoModelForCausalLM.from_config(
+            Qwen2Config(**QWEN2_5_05B), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+
+
+def run_one(variant: str, warmup: int, steps: int, smoke: bool, out_dir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from tiny_trl import tiny_tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    model = build_model(smoke)
+    vocab = model.config.vocab_size
+    batch, seq = (2, 32) if smoke else (BATCH, SEQ)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, ((warmup + steps) * batch, seq), generator=gen)
+    clock = StepClock(warmup, cuda=not smoke)
+    callbacks = [clock.callback]
+    if variant.startswith("liger_patch"):
+        from liger_patch import LigerPatchCallback
+
+        callbacks.append(LigerPatchCallback())
+    config = SFTConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        max_length=seq,
+        max_steps=warmup + steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        bf16=not smoke,
+        use_cpu=smoke,
+        use_liger_kernel=variant.endswith("liger_kernel"),
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"input_ids": ids.tolist()}),
+        processing_class=tiny_tokenizer(),  # pad id only: the rows are already token ids
+        callbacks=callbacks,
+    )
+    trainer.train()
+    first = next(e for e in trainer.state.log_history if "loss" in e)
+    return {
+        "variant": variant,
+        **clock.result(),
+        "first_loss": first["loss"],
+        "first_accuracy": first.get("mean_token_accuracy"),
+        "first_entropy": first.get("entropy"),
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "optim": str(config.optim),
+    }
+
+
+def table(results: list[dict]) -> str:
+    base = next((r for r in results if r["variant"] == "trl" and r.get("ms")), None)
+    lines = [
+        "| variant | step ms (median) | vs TRL | peak GiB | first loss | token accuracy | entropy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | |")
+            continue
+        ratio = f"{r['ms'] / base['ms']:.3f}x" if base and r["ms"] else ""
+        ms = f"{r['ms']:.1f}" if r["ms"] else "n/a"
+        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "n/a"
+        lines.append(
+            f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.4f} | "
+            f"{r['first_accuracy']} | {r['first_entropy']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", default=None, help=f"default: {','.join(VARIANTS)}")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 + 2 steps")
+    parser.add_argument("--one", metavar="VARIANT", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default="out/e2e_trl")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:  # liger-kernel's Triton kernels need a GPU
+        args.warmup, args.steps = 2, 2
+        args.variants = args.variants or "trl,liger_patch"
+    args.variants = args.variants or ",".join(VARIANTS)
+    if args.one:
+        result = run_one(args.one, args.warmup, args.steps, args.smoke, args.workdir)
+        print(json.dumps(result))
+        return 0
+
+    results = []
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--one", variant, "--warmup", str(args.warmup)]
+        cmd += ["--steps", str(args.steps), "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
+        if proc.returncode == 0:
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        else:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            results.append({"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]})
+        print(json.dumps(results[-1]), flush=True)
+    text = table(results)
+    print(text)
+    if args.out:
+        import transformers
+        import trl
+
+        head = {**environment(), "transformers": transformers.__version__, "trl": trl.__version__}
+        write_json(args.out, {**head, "batch": BATCH, "seq": SEQ, "results": results, "table": text})
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
