@@ -16,6 +16,7 @@ step's logged loss, token accuracy and entropy (same seed, init and data for all
 
     python benchmarks/e2e_trl.py --out docs/results/e2e_trl.json
     python benchmarks/e2e_trl.py --variants trl,liger_patch,trl,liger_patch   # interleaved A/B
+    python benchmarks/e2e_trl.py --rounds 3 --out docs/results/e2e_trl.json  # every variant 3 times
     python benchmarks/e2e_trl.py --smoke      # tiny model, CPU, trl and liger_patch: checks the script
 """
 
@@ -174,7 +175,24 @@ def table(results: list[dict]) -> str:
             f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.4f} | "
             f"{r['first_accuracy']} | {r['first_entropy']} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *summary(results)])
+
+
+def summary(results: list[dict]) -> list[str]:
+    """Per variant, over its runs: the median of the step-time medians, as a ratio to TRL's."""
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        if r.get("ms"):
+            runs.setdefault(r["variant"], []).append(r)
+    if "trl" not in runs:
+        return []
+    base = statistics.median(r["ms"] for r in runs["trl"])
+    lines = ["| variant | runs | step ms (median of runs) | vs TRL | peak GiB |", "|---|---|---|---|---|"]
+    for variant, rs in runs.items():
+        ms = statistics.median(r["ms"] for r in rs)
+        peak = max(r["peak_gib"] for r in rs)
+        lines.append(f"| {variant} | {len(rs)} | {ms:.1f} | {ms / base:.3f}x | {peak:.2f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--variants", default=None, help=f"default: {','.join(VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=1, help="run the variant list this many times")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 + 2 steps")
@@ -199,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     results = []
-    for variant in args.variants.split(","):
+    for variant in args.variants.split(",") * args.rounds:
         cmd = [sys.executable, __file__, "--one", variant, "--warmup", str(args.warmup)]
         cmd += ["--steps", str(args.steps), "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
