@@ -8,14 +8,20 @@ timed through cuBLAS in the same run. Every implementation is timed with
     python benchmarks/flce.py                        # the issue-2 shape, ours vs torch eager
     python benchmarks/flce.py --impls all --shapes all --out docs/results/flce.json
     python benchmarks/flce.py --shapes all --impls ours --rep-ms 400   # quick A/B of ours
+    python benchmarks/flce.py --grid --rep-ms 300 --out docs/results/grid.json   # the shape grid
+    python benchmarks/flce.py --grid --points 0:17 ...   # a slice of it (rows in grid order)
 
-Shapes, inputs, timing and the memory measure come from ``benchmarks/common.py``. Peers
-(liger-kernel, cut-cross-entropy) are used when importable.
+``--grid`` runs the points of ``benchmarks/grid.py`` (bf16, softcap and AMP points; logits with a
+standard deviation of 3 and 20 % of the labels ignored) with the implementations of
+``GRID_IMPLS``. Shapes, inputs, timing and the memory measure come from ``benchmarks/common.py``.
+Peers (liger-kernel, cut-cross-entropy) are used when importable.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -32,65 +38,90 @@ from common import (
     time_floor,
     write_json,
 )
+from grid import GRID, GRID_INPUTS, GridPoint
 
 
-def torch_eager(hidden, weight, labels):
-    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100)
+def _softcapped(logits, softcap):
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
-def ours(hidden, weight, labels):
+def torch_eager(hidden, weight, labels, softcap=None):
+    return F.cross_entropy(_softcapped((hidden @ weight.t()).float(), softcap), labels, ignore_index=-100)
+
+
+def ours(hidden, weight, labels, softcap=None, **options):
     from liger_patch import fused_linear_cross_entropy
 
-    return fused_linear_cross_entropy(hidden, weight, labels)
+    return fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, **options)
 
 
-def ours_cublas_logits(hidden, weight, labels):
+def ours_cublas_logits(hidden, weight, labels, softcap=None):
     """Ours with the logits GEMM left to cuBLAS and the row kernel's two passes (the default
     before docs/perf-notes.md item 19), for the side-by-side comparison."""
-    from liger_patch import fused_linear_cross_entropy
     from liger_patch.ops.tuning import Tuning
 
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(fused_logits=False))
+    return ours(hidden, weight, labels, softcap, tuning=Tuning(fused_logits=False))
 
 
-def ours_fp32_logits(hidden, weight, labels):
+def ours_balanced(hidden, weight, labels, softcap=None):
+    """Ours with token chunks of one size (``Tuning(balanced_chunks=True)``)."""
+    from liger_patch.ops.tuning import Tuning
+
+    return ours(hidden, weight, labels, softcap, tuning=Tuning(balanced_chunks=True))
+
+
+def ours_fp32_grad_weight(hidden, weight, labels, softcap=None):
+    """Ours with grad_W summed in fp32 (``Tuning(fp32_grad_weight=True)``; the default where an
+    fp32 copy fitted in the budget before docs/perf-notes.md item 25)."""
+    from liger_patch.ops.tuning import Tuning
+
+    return ours(hidden, weight, labels, softcap, tuning=Tuning(fp32_grad_weight=True))
+
+
+def ours_fp32_logits(hidden, weight, labels, softcap=None):
     """Ours with logits chunks stored in fp32 (``logits_dtype=torch.float32``)."""
-    from liger_patch import fused_linear_cross_entropy
-
-    return fused_linear_cross_entropy(hidden, weight, labels, logits_dtype=torch.float32)
+    return ours(hidden, weight, labels, softcap, logits_dtype=torch.float32)
 
 
-def ours_lean(hidden, weight, labels):
+def ours_lean(hidden, weight, labels, softcap=None):
     """Ours at the lean memory budget (32 MiB): the two-pass path."""
-    from liger_patch import fused_linear_cross_entropy
-
-    return fused_linear_cross_entropy(hidden, weight, labels, memory_budget="lean")
+    return ours(hidden, weight, labels, softcap, memory_budget="lean")
 
 
 _compiled = None
 
 
-def torch_compile(hidden, weight, labels):
+def torch_compile(hidden, weight, labels, softcap=None):
+    """``torch.compile`` of the eager loss, compiled for each shape (``reset_compiled`` between
+    shapes), as a training run of one shape gets it."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(torch_eager)
-    return _compiled(hidden, weight, labels)
+        _compiled = torch.compile(torch_eager, dynamic=False)
+    return _compiled(hidden, weight, labels, softcap)
 
 
-def liger_kernel(hidden, weight, labels):
+def reset_compiled() -> None:
+    global _compiled
+    _compiled = None
+    torch._dynamo.reset()
+
+
+def liger_kernel(hidden, weight, labels, softcap=None):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=-100)
+    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=-100, softcap=softcap)
 
 
-def cut_cross_entropy(hidden, weight, labels):
+def cut_cross_entropy(hidden, weight, labels, softcap=None):
     from cut_cross_entropy import linear_cross_entropy
 
-    return linear_cross_entropy(hidden, weight, labels, ignore_index=-100)
+    return linear_cross_entropy(hidden, weight, labels, ignore_index=-100, softcap=softcap)
 
 
 IMPLS: dict[str, Callable] = {
     "ours": ours,
+    "ours_balanced": ours_balanced,
+    "ours_fp32_grad_weight": ours_fp32_grad_weight,
     "ours_cublas_logits": ours_cublas_logits,
     "ours_fp32_logits": ours_fp32_logits,
     "ours_lean": ours_lean,
@@ -99,6 +130,7 @@ IMPLS: dict[str, Callable] = {
     "liger_kernel": liger_kernel,
     "cut_cross_entropy": cut_cross_entropy,
 }
+GRID_IMPLS = ("ours", "ours_balanced", "ours_lean", "torch_compile", "liger_kernel", "cut_cross_entropy")
 
 
 def check_against_fp64(fn, n: int, h: int, v: int) -> float:
@@ -118,28 +150,76 @@ def check_against_fp64(fn, n: int, h: int, v: int) -> float:
     return max(errs)
 
 
-def bench_shape(name: str, impl_names: list[str], ignore_frac: float, rep_ms: int) -> dict:
-    n, h, v = SHAPES[name]
-    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac)
-    row: dict = {"shape": name, "N": n, "H": h, "V": v, "dtype": "bfloat16", "ignore_frac": ignore_frac}
+def with_autocast(fn: Callable) -> Callable:
+    """``fn`` under ``torch.autocast("cuda", bf16)``: fp32 weight and hidden, bf16 GEMMs (AMP)."""
 
-    floor_ms = time_floor(hidden.detach(), weight.detach(), rep_ms)
-    flops = 3 * 2 * n * h * v
-    row["floor_ms"] = floor_ms
-    row["floor_tflops"] = flops / floor_ms / 1e9
-    row["impls"] = {}
-    for impl in impl_names:
-        fn = IMPLS[impl]
-        try:
-            fwd_bwd(fn, hidden, weight, labels)  # warm-up / compile
-            ms = bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep_ms)
-            mem = extra_memory_mib(fn, hidden, weight, labels)
-            err = check_against_fp64(fn, 1024, 512, 8191)
-            row["impls"][impl] = {"ms": ms, "x_floor": ms / floor_ms, "extra_mib": mem, "max_rel_err": err}
-        except (ImportError, torch.cuda.OutOfMemoryError, RuntimeError) as exc:
-            row["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-        hidden.grad = weight.grad = None
-        torch.cuda.empty_cache()
+    def run(hidden, weight, labels, softcap=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(hidden, weight, labels, softcap)
+
+    return run
+
+
+def bench_point(
+    point: GridPoint,
+    impl_names: list[str],
+    ignore_frac: float,
+    rep_ms: int,
+    logit_std: float = 1.0,
+    rounds: int = 1,
+) -> dict:
+    """One shape: the floor and each implementation's median ms, ratio and extra MiB. With
+    ``rounds`` > 1 the floor and every implementation are timed once per round, each round
+    starting with another implementation (the first one timed after a new shape ran slower by up
+    to 6 % in the first grid run); the medians over the rounds are reported."""
+    n, h, v = point.n, point.h, point.v
+    dtype = torch.float32 if point.amp else torch.bfloat16
+    hidden, weight, labels = make_inputs(n, h, v, dtype, ignore_frac, logit_std=logit_std)
+    row: dict = {
+        "shape": point.name,
+        "model": point.model,
+        "N": n,
+        "H": h,
+        "V": v,
+        "softcap": point.softcap,
+        "amp": point.amp,
+        "dtype": "float32 weights under bf16 autocast" if point.amp else "bfloat16",
+        "ignore_frac": ignore_frac,
+        "logit_std": logit_std,
+    }
+    # the floor is three bf16 GEMMs (under AMP too: autocast runs the head's GEMMs in bf16)
+    floors, times, row["impls"] = [], {}, {}
+    reset_compiled()
+    for round_ in range(rounds):
+        floors.append(time_floor(hidden.detach().bfloat16(), weight.detach().bfloat16(), rep_ms))
+        shift = round_ % max(1, len(impl_names))  # each round starts with another implementation
+        for impl in impl_names[shift:] + impl_names[:shift]:
+            if "error" in row["impls"].get(impl, {}):
+                continue
+            fn = functools.partial(
+                with_autocast(IMPLS[impl]) if point.amp else IMPLS[impl], softcap=point.softcap
+            )
+            try:
+                fwd_bwd(fn, hidden, weight, labels)  # warm-up / compile
+                times.setdefault(impl, []).append(
+                    bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep_ms)
+                )
+                if round_ == 0:
+                    row["impls"][impl] = {"extra_mib": extra_memory_mib(fn, hidden, weight, labels)}
+            # a peer that refuses an input (CCE's backward under AMP) is one cell, not the run
+            except Exception as exc:
+                row["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            hidden.grad = weight.grad = None
+            torch.cuda.empty_cache()
+    row["floor_ms"] = statistics.median(floors)
+    row["floor_tflops"] = 3 * 2 * n * h * v / row["floor_ms"] / 1e9
+    for impl, ms in times.items():
+        if "error" not in row["impls"][impl]:
+            ratios = [t / f for t, f in zip(ms, floors, strict=True)]
+            row["impls"][impl].update(
+                ms=statistics.median(ms), x_floor=statistics.median(ratios), ms_rounds=ms
+            )
+    row["impls"] = {impl: row["impls"][impl] for impl in impl_names if impl in row["impls"]}
     return row
 
 
@@ -156,8 +236,25 @@ def markdown(rows: list[dict]) -> str:
                 cells.append(f"{c['ms']:.1f} ({c['x_floor']:.2f}x) {c['extra_mib']:.0f} MiB")
             else:
                 cells.append(c.get("error", "-")[:40])
-        lines.append(f"| {r['N']}, {r['H']}, {r['V']} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
+        shape = f"{r['N']}, {r['H']}, {r['V']}"
+        shape += ", softcap" if r.get("softcap") else ""
+        shape += ", AMP" if r.get("amp") else ""
+        lines.append(f"| {shape} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def select_points(args) -> tuple[list[GridPoint], float, float]:
+    """The points to run, with their input spread and ignored fraction."""
+    if args.grid:
+        points = list(GRID)
+        if args.points and ":" in args.points:
+            lo, _, hi = args.points.partition(":")
+            points = points[int(lo or 0) : int(hi) if hi else None]
+        elif args.points:
+            points = [points[int(i)] for i in args.points.split(",")]
+        return points, GRID_INPUTS["logit_std"], GRID_INPUTS["ignore_frac"]
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    return [GridPoint("headline", *SHAPES[name]) for name in names], 1.0, args.ignore_frac
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,26 +262,37 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="8192x4096x128256", help="comma list of " + ", ".join(SHAPES))
-    parser.add_argument("--impls", default="ours,torch_eager", help="comma list or 'all'")
+    parser.add_argument("--grid", action="store_true", help="the points of benchmarks/grid.py instead")
+    parser.add_argument("--points", default=None, help="with --grid: a slice START:STOP or indices I,J,...")
+    parser.add_argument(
+        "--impls",
+        default=None,
+        help="comma list or 'all' (default: ours,torch_eager; grid: " + ",".join(GRID_IMPLS) + ")",
+    )
     parser.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")
     parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="time every impl this many times, rotating the order"
+    )
     parser.add_argument("--out", default=None, help="write JSON here (a .md table is written beside it)")
     args = parser.parse_args(argv)
     if not need_cuda("benchmarks/flce.py"):
         return 2
-    shapes = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
+    points, logit_std, ignore_frac = select_points(args)
+    default_impls = ",".join(GRID_IMPLS) if args.grid else "ours,torch_eager"
+    impls = list(IMPLS) if args.impls == "all" else (args.impls or default_impls).split(",")
 
     result = {
         **environment(),
-        "method": "fwd+bwd, triton.testing.do_bench median; floor = 3 cuBLAS GEMMs; "
+        "method": "fwd+bwd, triton.testing.do_bench median; floor = 3 cuBLAS bf16 GEMMs; "
         "extra = peak allocated minus inputs and their grads",
+        "fp64_check": {impl: _fp64_check(impl) for impl in impls},
         "rows": [],
     }
-    for shape in shapes:  # results are written after every shape, so a cut-off run keeps them
-        result["rows"].append(bench_shape(shape, impls, args.ignore_frac, args.rep_ms))
+    for point in points:  # results are written after every point, so a cut-off run keeps them
+        result["rows"].append(bench_point(point, impls, ignore_frac, args.rep_ms, logit_std, args.rounds))
         table = markdown(result["rows"])
-        print(table, flush=True)
+        print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)
         if args.out:
             write_json(args.out, result)
             with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
@@ -192,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n"
                 )
     return 0
+
+
+def _fp64_check(impl: str) -> float | str:
+    try:
+        return check_against_fp64(IMPLS[impl], 1024, 512, 8191)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
 if __name__ == "__main__":

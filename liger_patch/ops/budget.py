@@ -76,8 +76,12 @@ def working_bytes(memory_budget: int | str | None, n_tokens: int) -> int:
     return max(1, resolve_budget(memory_budget) - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
 
 
-def chunk_rows(width: int, budget_bytes: int, element_bytes: int, tuning: Tuning) -> int:
+def chunk_rows(
+    width: int, budget_bytes: int, element_bytes: int, tuning: Tuning, n_rows: int | None = None
+) -> int:
     """Rows of ``width`` elements that fit ``budget_bytes`` (at least one), or ``tuning.chunk_rows``.
+
+    With ``tuning.balanced_chunks`` and the ``n_rows`` to split: :func:`balanced_rows`.
 
     Rounded down to a multiple of 256 from 512 rows up (of 128 from 256): cuBLAS tiles the chunk
     GEMMs 256 rows at a time, and a part-filled tile row costs a whole one. Measured on an H200
@@ -86,9 +90,28 @@ def chunk_rows(width: int, budget_bytes: int, element_bytes: int, tuning: Tuning
     if tuning.chunk_rows is not None:
         return tuning.chunk_rows
     rows = max(1, budget_bytes // (element_bytes * max(width, 1)))
+    if tuning.balanced_chunks and n_rows is not None:
+        return balanced_rows(n_rows, rows)
     if rows >= 512:
         return rows - rows % 256
     return rows - rows % 128 if rows >= 256 else rows
+
+
+def balanced_rows(n_rows: int, max_rows: int, align: int = 128) -> int:
+    """Rows per chunk that split ``n_rows`` into the fewest chunks of at most ``max_rows`` rows
+    (a multiple of ``align`` from 256 rows up): the smallest such size that keeps that count,
+    so the last chunk is as little short of the others as the alignment allows. ``max_rows``
+    when everything fits in one chunk."""
+    if n_rows <= max_rows:
+        return max_rows
+    chunks = -(-n_rows // max_rows)
+    while True:
+        rows = -(-n_rows // chunks)
+        if rows >= 256:
+            rows = -(-rows // align) * align
+        if rows <= max_rows:
+            return rows
+        chunks += 1
 
 
 @dataclass(frozen=True)
@@ -133,7 +156,7 @@ def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:
     """Token rows per chunk within ``budget``, where the fused GEMM's partials share it with the chunk."""
     part = shape.partial_bytes_per_row
     chunk_budget = budget - budget * part // (shape.vocab * shape.logit_bytes + part)
-    return chunk_rows(shape.vocab, chunk_budget, shape.logit_bytes, tuning)
+    return chunk_rows(shape.vocab, chunk_budget, shape.logit_bytes, tuning, shape.n_rows)
 
 
 def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPlan:
@@ -159,15 +182,15 @@ def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPl
             grad_weight_fp32=False,
             vocab_blocks=vocab_blocks(shape, budget_bytes, tuning),
         )
-    # An fp32 accumulator is used when it fits in the budget next to chunks of at least
-    # min_token_chunk_rows rows (or all rows); the chunks then share what it leaves.
-    rest = budget_bytes - 4 * shape.weight_numel
-    rest_rows = _rows_within(shape, rest, tuning) if rest > 0 else 0
+    # Half GEMMs on a GPU sum grad_W in the weight's dtype (one rounding per chunk; one chunk is
+    # one rounding, as in an unpatched head), with chunks as large as the budget allows: an fp32
+    # copy would take budget from the chunks and double grad_W's traffic per chunk (item 25).
     fp32 = tuning.fp32_grad_weight
     if fp32 is None:
-        fp32 = shape.gemm_fp32 or rest_rows >= min(shape.n_rows, tuning.min_token_chunk_rows)
+        fp32 = shape.gemm_fp32
     if fp32 and not shape.gemm_fp32:
-        rows = max(1, rest_rows)
+        rest = budget_bytes - 4 * shape.weight_numel
+        rows = max(1, _rows_within(shape, rest, tuning) if rest > 0 else 0)
     return ChunkPlan(rows=rows, grad_weight_fp32=fp32, overwrite_first=not fp32 and shape.n_rows > 0)
 
 

@@ -38,9 +38,15 @@ class Tuning:
             (token chunks) or columns (pass B's vocabulary blocks). For tests and sweeps.
         two_pass: force the two-pass path on (``True``) or off (``False``); ``None`` applies
             ``min_token_chunk_rows``.
+        balanced_chunks: split the tokens into as few chunks as the budget allows, all of
+            nearly one size (a multiple of 128 rows), instead of budget-sized chunks (a multiple
+            of 256 rows) and a remainder: N=8192 at V=152064 runs as 5 chunks of 1664 rows
+            rather than 5 of 1536 and one of 512.
         fp32_grad_weight: accumulate grad_W across token chunks in fp32 (``True``) or in the
-            weight's dtype (``False``); ``None`` keeps fp32 when a copy fits in the budget (item
-            3: the weight-dtype sum saved 3.7 ms and 1.5 GiB at N=8192, V=128256).
+            weight's dtype (``False``); ``None``: fp32 where the GEMMs run in fp32 (the CPU),
+            the weight's dtype elsewhere (item 3: the weight-dtype sum saved 3.7 ms and 1.5 GiB
+            at N=8192, V=128256; item 25: an fp32 copy that fitted in the budget beside the
+            chunks still cost 1.24-1.34x against 1.10x at H=2048, V=49152).
     """
 
     fused_logits: bool = True
@@ -52,6 +58,7 @@ class Tuning:
     chunk_rows: int | None = None
     two_pass: bool | None = None
     fp32_grad_weight: bool | None = None
+    balanced_chunks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("row_block", "min_token_chunk_rows"):

@@ -9,6 +9,7 @@ from liger_patch.ops.budget import (
     PER_TOKEN_BYTES,
     SLACK_BYTES,
     ChunkShape,
+    balanced_rows,
     chunk_rows,
     plan_chunks,
     vocab_blocks,
@@ -42,6 +43,33 @@ def test_rows_are_rounded_to_cublas_tiles(rows, expected):
     assert chunk_rows(1000, rows * 4000, 4, DEFAULT) == expected
 
 
+@given(n=st.integers(1, 1 << 17), max_rows=st.integers(1, 1 << 14))
+def test_balanced_chunks_are_as_few_and_as_even_as_the_cap_allows(n, max_rows):
+    rows = balanced_rows(n, max_rows)
+    assert 1 <= rows <= max_rows
+    if n <= max_rows:
+        return
+    chunks = -(-n // rows)
+    assert rows < 256 or rows % 128 == 0
+    # as few chunks as the largest allowed chunk (under the cap, aligned from 256 rows) gives
+    largest = max_rows if max_rows < 256 else max(255, max_rows - max_rows % 128)
+    assert chunks == -(-n // largest)
+    # the smallest allowed size for that many chunks
+    smaller = rows - 128 if rows >= 384 else rows - 1
+    assert smaller < 1 or -(-n // smaller) > chunks
+    # every chunk but the last is full, and the last is not empty
+    assert 0 < n - (chunks - 1) * rows <= rows
+
+
+@pytest.mark.parametrize(
+    "n, max_rows, rows", [(8192, 1765, 1664), (32768, 1765, 1664), (4096, 1765, 1408), (2048, 1765, 1024)]
+)
+def test_balanced_chunks_at_the_default_budget(n, max_rows, rows):
+    """V=152064 in bf16 fits 1765 rows in 512 MiB: 5 chunks of 1664 rather than 5 of 1536 + 512."""
+    assert balanced_rows(n, max_rows) == rows
+    assert chunk_rows(152064, max_rows * 2 * 152064, 2, Tuning(balanced_chunks=True), n) == rows
+
+
 def test_tuning_forces_the_chunk_size():
     assert chunk_rows(1000, 10**12, 4, Tuning(chunk_rows=7)) == 7
 
@@ -66,12 +94,22 @@ def test_working_bytes_leave_room_for_per_token_vectors_and_slack():
     assert working_bytes(1, 1000) == 1  # at least one byte: one row at a time
 
 
-def test_fp32_accumulator_when_it_fits_next_to_large_chunks():
+def test_gpu_sums_in_the_weight_dtype_with_the_largest_chunks():
+    """Even where an fp32 copy of grad_W would fit beside large chunks (H=2048, V=49152: 384 MiB
+    of 512), the chunks get the whole budget: 4096 tokens are one chunk, one rounding."""
+    shape = cuda_shape(4096, 2048, 49152)
+    plan = plan_chunks(shape, working_bytes("default", 4096), DEFAULT)
+    assert (plan.rows, plan.grad_weight_fp32, plan.overwrite_first) == (5120, False, True)
+    assert not plan.two_pass
+
+
+def test_forced_fp32_accumulator_shares_the_budget_with_the_chunks():
     shape = cuda_shape(4096, 512, 32000)
-    plan = plan_chunks(shape, 256 * MiB, DEFAULT)
+    plan = plan_chunks(shape, 256 * MiB, Tuning(fp32_grad_weight=True))
     assert plan.grad_weight_fp32 and not plan.overwrite_first and not plan.two_pass
     chunk = plan.rows * (32000 * 2 + shape.partial_bytes_per_row)
     assert chunk + 4 * shape.weight_numel <= 256 * MiB
+    assert plan.rows < plan_chunks(shape, 256 * MiB, DEFAULT).rows
 
 
 def test_cpu_always_sums_in_fp32():

@@ -162,3 +162,27 @@ def test_large_logits_are_stable(gen, device, chunk_rows, backend):
 def test_backend_auto_and_explicit_agree_with_reference(gen, device, backend):
     case = make_case(gen, (2, 5), 19, 97, device=device, bias=True)
     check_parity(case, gen, tol=TOL[torch.float32], backend=backend, **COMBINED)
+
+
+@pytest.mark.parametrize("case_id", ["plain", "combined_mean", "combined_none"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_balanced_chunks_parity(gen, device, backend, case_id):
+    """``Tuning(balanced_chunks=True)``: a budget of 12 fp32 logit rows splits 37 tokens into 4
+    chunks of 10 rows (budget-sized chunks would be 12, 12, 12 and 1)."""
+    from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES, balanced_rows
+    from liger_patch.ops.tuning import Tuning
+
+    case_kw, op_kw = OPTION_CASES[case_id]
+    V, N = 97, 37
+    assert balanced_rows(N, 12) == 10
+    budget = SLACK_BYTES + PER_TOKEN_BYTES * N + 12 * 4 * V
+    case = make_case(gen, (N,), 19, V, device=device, **case_kw)
+    check_parity(
+        case,
+        gen,
+        tol=TOL[torch.float32],
+        backend=backend,
+        memory_budget=budget,
+        tuning=Tuning(balanced_chunks=True),
+        **materialize_options(op_kw, device),
+    )
