@@ -41,12 +41,13 @@ class Tuning:
         balanced_chunks: split the tokens into as few chunks as the budget allows, all of
             nearly one size (a multiple of 128 rows), instead of budget-sized chunks (a multiple
             of 256 rows) and a remainder: N=8192 at V=152064 runs as 5 chunks of 1664 rows
-            rather than 5 of 1536 and one of 512.
+            rather than 5 of 1536 and one of 512. Item 26: no consistent gain over the grid
+            (-5 % to +3 %), so off.
         fp32_grad_weight: accumulate grad_W across token chunks in fp32 (``True``) or in the
             weight's dtype (``False``); ``None``: fp32 where the GEMMs run in fp32 (the CPU),
             the weight's dtype elsewhere (item 3: the weight-dtype sum saved 3.7 ms and 1.5 GiB
-            at N=8192, V=128256; item 25: an fp32 copy that fitted in the budget beside the
-            chunks still cost 1.24-1.34x against 1.10x at H=2048, V=49152).
+            at N=8192, V=128256; item 25: at H=2048, V=49152, where an fp32 copy fits beside
+            the chunks, it cost 1.22-1.34x the floor against 1.15x for the weight-dtype sum).
     """
 
     fused_logits: bool = True
