@@ -1,14 +1,15 @@
 """DeepSpeed ZeRO-3 through the HF Trainer, one rank per process (started by
 tests/distributed/test_deepspeed.py through launch.py; gloo on CPU, DeepSpeed's CPU accelerator).
 
-    python -m tests.distributed.deepspeed_workers --out DIR {zero3,zero3_init} {patched,unpatched}
+    python -m tests.distributed.deepspeed_workers --out DIR VARIANT {patched,unpatched}
 
 One process trains one variant: two SGD steps of a tiny fp32 Llama under ZeRO-3 (every
 parameter partitioned, none kept whole), ``num_items_in_batch`` counted across ranks. Batches
 are dealt in order, so rank 1's first micro-batch has every label ignored. ``zero3`` builds the
 model before the Trainer (DeepSpeed partitions it at ``deepspeed.initialize``); ``zero3_init``
 builds it under ``zero.Init`` (transformers does so once ``TrainingArguments(deepspeed=...)``
-exists), so the head weight is never whole outside a gathering hook. Rank 0 saves the losses,
+exists), so the head weight is never whole outside a gathering hook; ``accelerate_zero3`` is the
+same training as an accelerate loop. Rank 0 saves the losses,
 the gathered parameters, and per rank: the head weight's partition outside forward, whether
 the fused op ran, and the labels each micro-batch had.
 """
@@ -155,17 +156,76 @@ def train(variant: str, patched: bool, out_dir: Path) -> dict:
     return {"losses": losses, "grad_norms": grad_norms, "params": params, "ranks": gathered}
 
 
+def train_with_accelerate(patched: bool) -> dict:
+    """The same two steps written as an accelerate loop (``Accelerator`` with a ZeRO-3
+    ``DeepSpeedPlugin``), patched before ``prepare``; each rank takes the batches the Trainer
+    gives it, and the loss is normalised by the tokens of every rank, as the Trainer does."""
+    import deepspeed
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    import liger_patch as lp
+    from liger_patch.patching.state import patch_state
+
+    config = {**DS_CONFIG, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    # no clipping: it would hide a gradient off by a factor, and no grad_norm is logged here
+    config.update(train_batch_size=2 * int(os.environ["WORLD_SIZE"]), gradient_clipping=0.0)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = _model()
+    if patched:
+        lp.apply_liger_to(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    rows, rank, world = OrderedRows(), dist.get_rank(), dist.get_world_size()
+    losses, seen = [], []
+    for step in range(2):
+        first = 2 * (world * step + rank)  # batches dealt in order, as the Trainer deals them
+        batch = [rows[i] for i in (first, first + 1)]
+        ids = torch.stack([b["input_ids"] for b in batch])
+        labels = torch.stack([b["labels"] for b in batch])
+        local = (labels[:, 1:] != IGNORE).sum()
+        total = local.clone()
+        dist.all_reduce(total)
+        seen.append(int(local))
+        loss = engine(input_ids=ids, labels=labels, num_items_in_batch=total).loss * world
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        summed = loss.detach() / world
+        dist.all_reduce(summed)
+        losses.append(float(summed))
+    module = accelerator.unwrap_model(engine)
+    weight, state = module.lm_head.weight, patch_state(module)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+    info = {
+        "engine": type(engine).__name__,
+        "head_numel_built": None,
+        "head_numel_after": weight.numel(),
+        "head_ds_status": str(getattr(weight, "ds_status", None)),
+        "fused_ran": None if state is None else state.fused_ran,
+        "seen_labels": seen,
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, info)
+    return {"losses": torch.tensor(losses), "grad_norms": None, "params": params, "ranks": gathered}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("variant", choices=["zero3", "zero3_init"])
+    parser.add_argument("variant", choices=["zero3", "zero3_init", "accelerate_zero3"])
     parser.add_argument("patch", choices=["patched", "unpatched"])
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rank = int(os.environ["RANK"])
     try:
-        result = train(args.variant, args.patch == "patched", args.out)
+        patched = args.patch == "patched"
+        if args.variant == "accelerate_zero3":
+            result = train_with_accelerate(patched)
+        else:
+            result = train(args.variant, patched, args.out)
         if rank == 0:
             torch.save(result, args.out / f"{args.variant}_{args.patch}.pt")
         dist.barrier()

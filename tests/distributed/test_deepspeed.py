@@ -4,7 +4,9 @@ patched with ``LigerPatchCallback`` against the same run unpatched.
 Each variant and patch state runs in its own launch (tests/distributed/deepspeed_workers.py):
 two SGD steps of a tiny fp32 Llama with every parameter partitioned, rank 1's first micro-batch
 all ignored. ``zero3``: the model is built first and partitioned by ``deepspeed.initialize``;
-``zero3_init``: built under ``zero.Init``, as ``from_pretrained`` does under a ZeRO-3 config.
+``zero3_init``: built under ``zero.Init``, as ``from_pretrained`` does under a ZeRO-3 config;
+``accelerate_zero3``: an accelerate loop (``Accelerator`` with a ZeRO-3 ``DeepSpeedPlugin``),
+the model patched with ``apply_liger_to`` before ``prepare``.
 DeepSpeed is not in the ``test`` extra (it builds from source against the installed torch):
 ``.ci/run`` installs it; without it these tests are skipped.
 """
@@ -19,7 +21,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (.ci/run sho
 from tests.distributed.launch import run_workers  # noqa: E402
 from tests.patching_helpers import tolerances  # noqa: E402
 
-VARIANTS = ["zero3", "zero3_init"]
+VARIANTS = ["zero3", "zero3_init", "accelerate_zero3"]
 TOL = tolerances(torch.float32)
 
 
@@ -40,8 +42,9 @@ def test_zero3_patched_trains_like_unpatched(results, variant):
     patched, unpatched = results[f"{variant}_patched"], results[f"{variant}_unpatched"]
     torch.testing.assert_close(patched["losses"], unpatched["losses"], rtol=TOL.loss, atol=TOL.loss)
     assert len(patched["losses"]) == 2
-    # the Trainer clips at norm 1, which would hide a gradient off by a factor
-    torch.testing.assert_close(patched["grad_norms"], unpatched["grad_norms"], rtol=TOL.loss, atol=TOL.loss)
+    if variant != "accelerate_zero3":  # the Trainer clips at norm 1: compare the norms it logs
+        norms = patched["grad_norms"], unpatched["grad_norms"]
+        torch.testing.assert_close(*norms, rtol=TOL.loss, atol=TOL.loss)
     assert patched["params"].keys() == unpatched["params"].keys()
     for name, expected in unpatched["params"].items():
         err = (patched["params"][name] - expected).abs().max().item()
