@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 through the HF Trainer, one rank per process (started by
+"""DeepSpeed ZeRO-3 through the HF Trainer and accelerate, one rank per process (started by
 tests/distributed/test_deepspeed.py through launch.py; gloo on CPU, DeepSpeed's CPU accelerator).
 
     python -m tests.distributed.deepspeed_workers --out DIR VARIANT {patched,unpatched}
@@ -105,7 +105,6 @@ def train(variant: str, patched: bool, out_dir: Path) -> dict:
     from transformers import TrainingArguments
 
     import liger_patch as lp
-    from liger_patch.patching.state import patch_state
 
     if variant == "zero3_init":
         deepspeed.init_distributed(dist_backend="gloo")  # zero.Init needs deepspeed.comm first
@@ -136,36 +135,53 @@ def train(variant: str, patched: bool, out_dir: Path) -> dict:
     trainer = _trainer_class()(model=model, args=args, train_dataset=OrderedRows(), callbacks=callbacks)
     trainer.seen_labels = []
     trainer.train()
-    weight = trainer.model_wrapped.module.lm_head.weight
-    state = patch_state(trainer.model_wrapped.module)
-    with deepspeed.zero.GatheredParameters(list(trainer.model_wrapped.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    return report(
+        trainer.model_wrapped,
+        trainer.model_wrapped.module,
+        losses=[e["loss"] for e in logged],
+        grad_norms=[float(e["grad_norm"]) for e in logged],  # clipping at norm 1 hides a scale
+        seen_labels=trainer.seen_labels,
+        head_numel_built=head_numel_built,
+    )
+
+
+def report(engine, module, *, losses, grad_norms, seen_labels, head_numel_built) -> dict:
+    """What the tests check: losses, every parameter gathered, and per rank the engine, the
+    head's partition outside forward, whether the fused op ran and the labels each step had."""
+    import deepspeed
+
+    from liger_patch.patching.state import patch_state
+
+    weight, state = module.lm_head.weight, patch_state(module)
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
     rank_info = {
-        "engine": type(trainer.model_wrapped).__name__,
+        "engine": type(engine).__name__,
         "head_numel_built": head_numel_built,
         "head_numel_after": weight.numel(),
         "head_ds_status": str(getattr(weight, "ds_status", None)),
         "fused_ran": None if state is None else state.fused_ran,
-        "seen_labels": trainer.seen_labels,
+        "seen_labels": seen_labels,
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rank_info)
-    logged = [e for e in trainer.state.log_history if "loss" in e]
-    losses = torch.tensor([e["loss"] for e in logged])
-    grad_norms = torch.tensor([float(e["grad_norm"]) for e in logged])  # clipping at 1 hides a scale
-    return {"losses": losses, "grad_norms": grad_norms, "params": params, "ranks": gathered}
+    return {
+        "losses": torch.tensor(losses),
+        "grad_norms": None if grad_norms is None else torch.tensor(grad_norms),
+        "params": params,
+        "ranks": gathered,
+    }
 
 
 def train_with_accelerate(patched: bool) -> dict:
     """The same two steps written as an accelerate loop (``Accelerator`` with a ZeRO-3
     ``DeepSpeedPlugin``), patched before ``prepare``; each rank takes the batches the Trainer
     gives it, and the loss is normalised by the tokens of every rank, as the Trainer does."""
-    import deepspeed
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
     import liger_patch as lp
-    from liger_patch.patching.state import patch_state
 
     config = {**DS_CONFIG, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
     # no clipping: it would hide a gradient off by a factor, and no grad_norm is logged here
@@ -195,20 +211,7 @@ def train_with_accelerate(patched: bool) -> dict:
         dist.all_reduce(summed)
         losses.append(float(summed))
     module = accelerator.unwrap_model(engine)
-    weight, state = module.lm_head.weight, patch_state(module)
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
-    info = {
-        "engine": type(engine).__name__,
-        "head_numel_built": None,
-        "head_numel_after": weight.numel(),
-        "head_ds_status": str(getattr(weight, "ds_status", None)),
-        "fused_ran": None if state is None else state.fused_ran,
-        "seen_labels": seen,
-    }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, info)
-    return {"losses": torch.tensor(losses), "grad_norms": None, "params": params, "ranks": gathered}
+    return report(engine, module, losses=losses, grad_norms=None, seen_labels=seen, head_numel_built=None)
 
 
 def main(argv: list[str] | None = None) -> int:
