@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.workers import IGNORE, LR
+from tests.patching_helpers import TINY_CONFIG, VOCAB
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -42,7 +42,6 @@ DS_CONFIG = {
     "bf16": {"enabled": False},
     "fp16": {"enabled": False},
 }
-VOCAB = 128
 
 
 class OrderedRows(torch.utils.data.Dataset):
@@ -85,18 +84,12 @@ def _trainer_class():
 
 
 def _model():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """The tests' tiny Llama (tests/patching_helpers.py sizes), untied, built by ``from_config``:
+    the call transformers runs under ``zero.Init`` once a ZeRO-3 config is active."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    config = AutoConfig.for_model("llama", **{**TINY_CONFIG, "tie_word_embeddings": False})
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -222,20 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rank = int(os.environ["RANK"])
-    try:
-        patched = args.patch == "patched"
-        if args.variant == "accelerate_zero3":
-            result = train_with_accelerate(patched)
-        else:
-            result = train(args.variant, patched, args.out)
-        if rank == 0:
-            torch.save(result, args.out / f"{args.variant}_{args.patch}.pt")
-        dist.barrier()
-        dist.destroy_process_group()  # else a rank can abort at exit ("terminate called ...")
-    except BaseException:
-        (args.out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    patched = args.patch == "patched"
+    if args.variant == "accelerate_zero3":
+        result = train_with_accelerate(patched)
+    else:
+        result = train(args.variant, patched, args.out)
+    if dist.get_rank() == 0:
+        torch.save(result, args.out / f"{args.variant}_{args.patch}.pt")
+    dist.barrier()
+    dist.destroy_process_group()  # else a rank can abort at exit ("terminate called ...")
     return 0
 
 

@@ -35,20 +35,12 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def worker_environment() -> dict[str, str]:
-    """This process's environment without accelerate's settings: transformers 4.57's
-    ``TrainingArguments(bf16=True)`` (any TRL config, by default) writes
-    ``ACCELERATE_MIXED_PRECISION=bf16`` into ``os.environ``, and a worker's Trainer would then
-    train under bf16 autocast. The workers set what they need themselves."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-
-
 def run_workers(
     module: str, args: list[str], out_dir: Path, world_size: int = 2, timeout: float = 240
 ) -> None:
     """Run ``python -m module *args`` on ``world_size`` ranks; raise if one fails or time runs out."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = worker_environment()
+    env = dict(os.environ)  # tests/conftest.py restores it after each test: no earlier test's leftovers
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
