@@ -52,6 +52,17 @@ QWEN2_5_05B = dict(  # Qwen2Config
     tie_word_embeddings=True,
 )
 
+QWEN2_5_7B = dict(  # Qwen2Config
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+
 
 def need_cuda(script: str) -> bool:
     """True when a CUDA GPU is there; otherwise says so on stderr (the script then exits 2)."""

@@ -1,7 +1,8 @@
 """End to end: one AdamW step of a random-init model in bf16 (sdpa), unpatched vs patched.
 
 Each (model, tokens, variant) runs in its own process so that patches and allocator state do
-not leak between variants. Variants: ``unpatched``, ``liger_kernel`` (liger-kernel's fused linear
+not leak between variants. Rows: Llama-3.2-1B and Qwen2.5-0.5B shapes, and a Qwen2.5-7B shape
+with gradient checkpointing. Variants: ``unpatched``, ``liger_kernel`` (liger-kernel's fused linear
 cross-entropy patch only: rope, rms_norm, swiglu and its plain cross-entropy off) when it is
 importable, ``liger_patch`` (ours) and ``liger_patch_lean`` (ours, ``memory_budget="lean"``).
 Reported: median step time over the timed steps, peak
@@ -23,20 +24,21 @@ import statistics
 import subprocess
 import sys
 
-from common import LLAMA_3_2_1B, QWEN2_5_05B, GiB, PeakMemory, environment, write_json
+from common import LLAMA_3_2_1B, QWEN2_5_05B, QWEN2_5_7B, GiB, PeakMemory, environment, write_json
 
-ROWS = {
-    "llama1b_8x2048": ("llama", 8, 2048),
-    "llama1b_16x2048": ("llama", 16, 2048),
-    "qwen05b_16x2048": ("qwen2", 16, 2048),
+ROWS = {  # row: (family, config, batch, sequence length, gradient checkpointing)
+    "llama1b_8x2048": ("llama", LLAMA_3_2_1B, 8, 2048, False),
+    "llama1b_16x2048": ("llama", LLAMA_3_2_1B, 16, 2048, False),
+    "qwen05b_16x2048": ("qwen2", QWEN2_5_05B, 16, 2048, False),
+    "qwen7b_8x2048_gc": ("qwen2", QWEN2_5_7B, 8, 2048, True),
 }
 VARIANTS = ("unpatched", "liger_kernel", "liger_patch", "liger_patch_lean")
 
 
-def make_config(family: str):
+def make_config(family: str, config: dict):
     from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(**LLAMA_3_2_1B) if family == "llama" else Qwen2Config(**QWEN2_5_05B)
+    return (LlamaConfig if family == "llama" else Qwen2Config)(**config)
 
 
 def build(row: str, variant: str):
@@ -44,14 +46,14 @@ def build(row: str, variant: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    family, batch, seq = ROWS[row]
+    family, config_dict, batch, seq, checkpointing = ROWS[row]
     if variant == "liger_kernel":
         from liger_kernel import transformers as lk
 
         patch = lk.apply_liger_kernel_to_llama if family == "llama" else lk.apply_liger_kernel_to_qwen2
         patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
-    config = make_config(family)
+    config = make_config(family, config_dict)
     with torch.device("cuda"):  # initialise on the GPU: CPU init of 1B parameters takes longer than the run
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if variant.startswith("liger_patch"):
@@ -59,6 +61,8 @@ def build(row: str, variant: str):
 
         liger_patch.apply_liger_to(model, memory_budget="lean" if variant.endswith("lean") else None)
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)

@@ -78,6 +78,14 @@ def ours_fp32_grad_weight(hidden, weight, labels, softcap=None):
     return ours(hidden, weight, labels, softcap, tuning=Tuning(fp32_grad_weight=True))
 
 
+def ours_all_rows(hidden, weight, labels, softcap=None):
+    """Ours computing every row, the ignored ones too (``Tuning(skip_ignored_share=1.0)``; the
+    default before item 28 skipped ignored rows)."""
+    from liger_patch.ops.tuning import Tuning
+
+    return ours(hidden, weight, labels, softcap, tuning=Tuning(skip_ignored_share=1.0))
+
+
 def ours_fp32_logits(hidden, weight, labels, softcap=None):
     """Ours with logits chunks stored in fp32 (``logits_dtype=torch.float32``)."""
     return ours(hidden, weight, labels, softcap, logits_dtype=torch.float32)
@@ -121,6 +129,7 @@ def cut_cross_entropy(hidden, weight, labels, softcap=None):
 IMPLS: dict[str, Callable] = {
     "ours": ours,
     "ours_balanced": ours_balanced,
+    "ours_all_rows": ours_all_rows,
     "ours_fp32_grad_weight": ours_fp32_grad_weight,
     "ours_cublas_logits": ours_cublas_logits,
     "ours_fp32_logits": ours_fp32_logits,
@@ -252,9 +261,10 @@ def select_points(args) -> tuple[list[GridPoint], float, float]:
             points = points[int(lo or 0) : int(hi) if hi else None]
         elif args.points:
             points = [points[int(i)] for i in args.points.split(",")]
-        return points, GRID_INPUTS["logit_std"], GRID_INPUTS["ignore_frac"]
+        ignore_frac = GRID_INPUTS["ignore_frac"] if args.ignore_frac is None else args.ignore_frac
+        return points, GRID_INPUTS["logit_std"], ignore_frac
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    return [GridPoint("headline", *SHAPES[name]) for name in names], 1.0, args.ignore_frac
+    return [GridPoint("headline", *SHAPES[name]) for name in names], 1.0, args.ignore_frac or 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="comma list or 'all' (default: ours,torch_eager; grid: " + ",".join(GRID_IMPLS) + ")",
     )
-    parser.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of labels set to -100")
+    parser.add_argument(
+        "--ignore-frac", type=float, default=None, help="share of labels set to -100 (default 0; grid: 0.2)"
+    )
     parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
     parser.add_argument(
         "--rounds", type=int, default=1, help="time every impl this many times, rotating the order"

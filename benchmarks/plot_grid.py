@@ -3,7 +3,7 @@ implementation as a multiple of the three-GEMM floor against N, a panel per (H, 
 
     python benchmarks/plot_grid.py docs/results/grid.json docs/results/grid
 writes docs/results/grid_V<vocab>.png. Several result files (slices of one grid) are merged:
-    python benchmarks/plot_grid.py docs/results/grid_a.json docs/results/grid_b.json docs/results/grid
+    python benchmarks/plot_grid.py first_slice.json second_slice.json docs/results/grid
 """
 
 from __future__ import annotations

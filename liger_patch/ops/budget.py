@@ -27,8 +27,9 @@ is cut-cross-entropy's memory class (docs/loss.md has the measured speed of each
 DEFAULT_MEMORY_BUDGET = "default"
 """The budget of a call that passes none while ``LIGER_MEMORY_BUDGET`` is unset: 512 MiB."""
 
-PER_TOKEN_BYTES = 32
-"""Per-token vectors the op keeps beside its chunks (labels, masks, row weights, loss terms)."""
+PER_TOKEN_BYTES = 40
+"""Per-token vectors the op keeps beside its chunks (labels, masks, row weights, loss terms, the
+kept rows' index)."""
 SLACK_BYTES = 2 << 20
 """Allocator rounding and cuBLAS workspace seen beside the chunks on an H200 (about 1 MiB)."""
 
@@ -126,6 +127,7 @@ class ChunkShape:
     gemm_fp32: bool  # the GEMMs run in fp32 (the CPU)
     partial_bytes_per_row: int = 0  # log-sum-exp partials the fused logits GEMM leaves per row
     grad_weight: bool = False  # grad_W is computed here
+    gather_bytes_per_row: int = 0  # a chunk of gathered rows' hidden states and grad_h, per row
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,9 @@ keeps cuBLAS on its vectorised kernels and any dtype view legal; pass B's plan l
 
 
 def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:
-    """Token rows per chunk within ``budget``, where the fused GEMM's partials share it with the chunk."""
-    part = shape.partial_bytes_per_row
+    """Token rows per chunk within ``budget``, where the fused GEMM's partials and the gathered
+    rows' buffers share it with the chunk."""
+    part = shape.partial_bytes_per_row + shape.gather_bytes_per_row
     chunk_budget = budget - budget * part // (shape.vocab * shape.logit_bytes + part)
     return chunk_rows(shape.vocab, chunk_budget, shape.logit_bytes, tuning, shape.n_rows)
 

@@ -19,7 +19,9 @@ exist.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,23 +42,72 @@ class ChunkResult:
 
 
 @dataclass(frozen=True)
+class _Chunk:
+    """The token rows of one chunk: ``[start, stop)`` of the rows the pass walks, which are the
+    tensors' own rows, or with ``index`` the rows that ``index[start:stop]`` lists."""
+
+    start: int
+    stop: int
+    index: torch.Tensor | None = None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows of a whole-length tensor: a view, or a gathered copy."""
+        return t[self.start : self.stop] if self.index is None else t.index_select(0, self.index)
+
+    def put(self, dst: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the chunk's rows of the whole-length ``dst``."""
+        if self.index is None:
+            dst[self.start : self.stop] = values
+        else:
+            dst.index_copy_(0, self.index, values.to(dst.dtype))
+
+
+@dataclass(frozen=True)
 class _RowRecords:
-    """The row kernel's extra records of one call (``row_io``), whole-length."""
+    """The row kernel's extra records of one call (``row_io``), whole-length, and ``index``: the
+    rows the token pass walks (``run_chunks``'s ``row_index``), ``None`` for every row."""
 
     class_weight: ClassWeight | None
     outputs: RowOutputs | None
     entropy_grad: EntropyGrad | None
+    index: torch.Tensor | None = None
 
-    def for_rows(self, start: int, stop: int) -> dict:
-        """Keyword arguments of the row kernel for token rows ``[start, stop)``."""
-        out = {}
+    def chunks(self, n_rows: int, chunk_rows: int) -> Iterator[_Chunk]:
+        """The token pass's chunks of ``chunk_rows`` rows: of all ``n_rows``, or of ``index``."""
+        total = n_rows if self.index is None else self.index.shape[0]
+        for start in range(0, total, chunk_rows):
+            stop = min(start + chunk_rows, total)
+            yield _Chunk(start, stop, None if self.index is None else self.index[start:stop])
+
+    def for_chunk(self, chunk: _Chunk) -> tuple[dict, RowOutputs | None]:
+        """Keyword arguments of the row kernel for ``chunk``, and the outputs it writes when they
+        are gathered rows that :meth:`put_outputs` must scatter back (else ``None``)."""
+        out, gathered = {}, None
         if self.class_weight is not None:
             out["class_weight"] = self.class_weight
         if self.outputs is not None and self.outputs.any():
-            out["outputs"] = self.outputs.rows(start, stop)
+            if chunk.index is None:
+                out["outputs"] = self.outputs.rows(chunk.start, chunk.stop)
+            else:
+                gathered = RowOutputs(*(None if t is None else chunk.take(t) for t in self.outputs.tensors()))
+                out["outputs"] = gathered
         if self.entropy_grad is not None:
-            out["entropy_grad"] = self.entropy_grad.rows(start, stop)
-        return out
+            grad = self.entropy_grad
+            out["entropy_grad"] = EntropyGrad(chunk.take(grad.coef), chunk.take(grad.entropy))
+        return out, gathered
+
+    def put_outputs(self, chunk: _Chunk, gathered: RowOutputs | None) -> None:
+        if gathered is not None:
+            for dst, values in zip(self.outputs.tensors(), gathered.tensors(), strict=True):
+                if dst is not None:
+                    chunk.put(dst, values)
+
+    def fill_skipped(self) -> None:
+        """Give every output row the value of an ignored row (row_io), before a pass that skips rows."""
+        if self.outputs is not None:
+            for t in self.outputs.tensors():
+                if t is not None:
+                    t.fill_(-1 if t is self.outputs.argmax else 0)
 
 
 def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -191,10 +242,13 @@ def _plan(
     grad_weight: bool,
     lse_given: bool,
     weighted_smoothing: bool,
-) -> tuple[ChunkPlan, Backend | None]:
-    """The chunk plan of this call, and the backend whose fused logits GEMM token chunks may use
+    row_index: torch.Tensor | None,
+) -> tuple[ChunkPlan, Backend | None, torch.Tensor | None]:
+    """The chunk plan of this call, the backend whose fused logits GEMM token chunks may use
     (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster;
-    and with class weights and label smoothing, whose class-weighted logit sums the partials lack)."""
+    and with class weights and label smoothing, whose class-weighted logit sums the partials lack),
+    and ``row_index`` if the token pass may walk only those rows (not on the two-pass path,
+    whose pass B needs every row's hidden states in one tensor)."""
     usable = backend.fused_logits is not None and opts.tuning.fused_logits
     fused = backend if usable and not lse_given and not weighted_smoothing else None
     shape = ChunkShape(
@@ -207,7 +261,16 @@ def _plan(
         partial_bytes_per_row=fused.fused_logits.partial_bytes_per_row(weight.shape[0], opts) if fused else 0,
         grad_weight=grad_weight,
     )
-    return plan_chunks(shape, budget_bytes, opts.tuning), fused
+    if row_index is not None:
+        gathered = dataclasses.replace(
+            shape,
+            n_rows=row_index.shape[0],
+            gather_bytes_per_row=2 * hidden.shape[1] * _gemm_dtype(hidden).itemsize,
+        )
+        plan = plan_chunks(gathered, budget_bytes, opts.tuning)
+        if not plan.two_pass:
+            return plan, fused, row_index
+    return plan_chunks(shape, budget_bytes, opts.tuning), fused, None
 
 
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
@@ -229,6 +292,7 @@ def run_chunks(
     class_weight: ClassWeight | None = None,
     outputs: RowOutputs | None = None,
     entropy_grad: EntropyGrad | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
@@ -244,12 +308,17 @@ def run_chunks(
 
     ``class_weight``, ``outputs`` (N,)-long per-row results to fill, and ``entropy_grad`` are the
     row kernel's records (``row_io``), passed on chunk by chunk.
+
+    ``row_index`` (sorted int64 row numbers) are the rows that count, when the others are all
+    ignored rows (the forward passes the kept rows): the token chunks then gather those rows and
+    skip the rest, whose ce, lse, grad_h and outputs are what an ignored row gets. Every GEMM
+    shrinks by the share of ignored rows. Not on the two-pass path.
     """
     compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
     grad_weight_here = compute_grad and need_weight
     logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
     weighted_smoothing = class_weight is not None and opts.label_smoothing != 0.0
-    plan, fused = _plan(
+    plan, fused, row_index = _plan(
         backend,
         hidden,
         weight,
@@ -259,8 +328,13 @@ def run_chunks(
         grad_weight_here,
         lse_in is not None,
         weighted_smoothing,
+        row_index,
     )
-    rows = _RowRecords(class_weight, outputs, entropy_grad)
+    rows = _RowRecords(class_weight, outputs, entropy_grad, row_index)
+    new = torch.empty  # rows the token pass skips must read as ignored ones: zeros
+    if row_index is not None:
+        rows.fill_skipped()
+        new = torch.zeros
     n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     gemm_dtype = _gemm_dtype(hidden)
     w = weight.to(gemm_dtype)
@@ -268,10 +342,10 @@ def run_chunks(
 
     res = ChunkResult(None, None, None, None, None)
     if lse_in is None:
-        res.ce = torch.empty(n_rows, dtype=torch.float32, device=device)
-        res.lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+        res.ce = new(n_rows, dtype=torch.float32, device=device)
+        res.lse = new(n_rows, dtype=torch.float32, device=device)
     if compute_grad and need_hidden:  # contiguous whatever hidden's strides (not empty_like)
-        res.grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device)
+        res.grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=device)
     if compute_grad and need_bias:
         res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
     if grad_weight_here:
@@ -351,34 +425,38 @@ def _token_pass(
     free until pass B writes it."""
     n_rows, vocab = hidden.shape[0], w.shape[0]
     scratch = res.grad_weight if plan.logits_in_grad_weight else None
-    for start in range(0, n_rows, plan.rows):
-        stop = min(start + plan.rows, n_rows)
-        h = hidden[start:stop].to(w.dtype)
-        out = None if scratch is None else _buffer_in(scratch, stop - start, vocab, logits_dtype)
+    for chunk in rows.chunks(n_rows, plan.rows):
+        h = chunk.take(hidden).to(w.dtype)
+        out = None if scratch is None else _buffer_in(scratch, h.shape[0], vocab, logits_dtype)
         logits, partials = _chunk_logits(h, w, b, opts, logits_dtype, out, fused)
         g = _grad_view(logits, w.dtype) if token_grads else None
+        records, gathered = rows.for_chunk(chunk)
         ce_c, lse_c = backend.row_kernel(
             logits,
-            labels[start:stop],
+            chunk.take(labels),
             opts,
             grad=g,
-            coef_ce=None if coef_ce is None else coef_ce[start:stop],
-            coef_z=None if coef_z is None else coef_z[start:stop],
-            lse_in=None if lse_in is None else lse_in[start:stop],
-            **rows.for_rows(start, stop),
+            coef_ce=None if coef_ce is None else chunk.take(coef_ce),
+            coef_z=None if coef_z is None else chunk.take(coef_z),
+            lse_in=None if lse_in is None else chunk.take(lse_in),
+            **records,
             **({} if partials is None else {"partials": partials}),
         )
         del partials  # now, not when the next chunk's are already allocated
+        rows.put_outputs(chunk, gathered)
         if res.ce is not None:
-            res.ce[start:stop] = ce_c
-            res.lse[start:stop] = lse_c
+            chunk.put(res.ce, ce_c)
+            chunk.put(res.lse, lse_c)
         if g is None:
             continue
         if res.grad_hidden is not None:
-            _mm_into(res.grad_hidden[start:stop], g, w)
+            if chunk.index is None:
+                _mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
+            else:
+                chunk.put(res.grad_hidden, g @ w)
         if not plan.two_pass:
             if res.grad_weight is not None:
-                _accumulate_grad_weight(res.grad_weight, g, h, start == 0 and plan.overwrite_first)
+                _accumulate_grad_weight(res.grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
             if res.grad_bias is not None:
                 res.grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g

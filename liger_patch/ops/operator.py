@@ -81,21 +81,30 @@ def _divisor(
 
 def _checked_labels(
     labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float, num_items: Tensor | None
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
-    does, in one host sync. While a CUDA graph is captured no sync is allowed: out-of-range labels
-    are then turned into ``ignore_index`` (kernels never index with them) and a 0-d factor is
-    returned, NaN when anything was bad and 1 otherwise, that the caller multiplies every result by."""
+    does, in one host sync, which also reads the number of kept labels: with at least
+    ``Tuning.skip_ignored_share`` of them ignored, the third result is the kept rows' index
+    (``run_chunks``'s ``row_index``), else ``None``.
+
+    While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned into
+    ``ignore_index`` (kernels never index with them), every row is computed, and the second result
+    is a 0-d factor, NaN when anything was bad and 1 otherwise, that the caller multiplies every
+    result by."""
     user_divisor = divisor if num_items is not None else None
     if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
-        validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
-        return labels, None
+        n_kept = validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
+        n_ignored = labels.shape[0] - n_kept
+        if n_ignored == 0 or n_ignored < opts.tuning.skip_ignored_share * labels.shape[0]:
+            return labels, None, None
+        kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)
+        return labels, None, kept
     bad_rows = (labels != opts.ignore_index) & ((labels < 0) | (labels >= vocab))
     bad = bad_rows.any()
     if user_divisor is not None:
         bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
-    return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one)
+    return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one), None
 
 
 def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
@@ -147,7 +156,7 @@ def flce(
     labels = labels.long().contiguous()  # kernels index labels by row
     cw = _class_weight(class_weight)
     divisor = _divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
-    labels, poison = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
+    labels, poison, kept_rows = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
     keep = labels != opts.ignore_index
     row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
     if poison is not None:
@@ -170,6 +179,7 @@ def flce(
             need_bias=precompute and needs[2] and bias is not None,
             class_weight=cw,
             outputs=outputs,
+            row_index=kept_rows,
         )
     z_rows = _z_loss_rows(res.lse, opts)
     if outputs.token_scale is not None:  # the kernels scaled ce already

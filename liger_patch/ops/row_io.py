@@ -1,7 +1,7 @@
 """What a row kernel takes and gives beyond the logits, labels and loss terms.
 
 Both row kernels (``torch_ce.ce_rows_torch``, ``triton/rows.ce_rows_triton``) take these records
-and honour them the same way; ``chunked.run_chunks`` slices them per token chunk.
+and honour them the same way; ``chunked.run_chunks`` slices (or gathers) them per token chunk.
 
 Notation (``docs/loss.md``): z = softcap(s * x) are a row's final logits, p = softmax(z),
 lse = logsumexp(z), y the label, w the class weights.
@@ -62,6 +62,3 @@ class EntropyGrad:
 
     coef: torch.Tensor
     entropy: torch.Tensor
-
-    def rows(self, start: int, stop: int) -> EntropyGrad:
-        return EntropyGrad(self.coef[start:stop], self.entropy[start:stop])

@@ -48,6 +48,10 @@ class Tuning:
             the weight's dtype elsewhere (item 3: the weight-dtype sum saved 3.7 ms and 1.5 GiB
             at N=8192, V=128256; item 25: at H=2048, V=49152, where an fp32 copy fits beside
             the chunks, it cost 1.22-1.34x the floor against 1.15x for the weight-dtype sum).
+        skip_ignored_share: when at least this share of a forward's labels is ``ignore_index``,
+            its token chunks gather the kept rows and skip the ignored ones, so every GEMM
+            shrinks by that share (item 28); below it, the gathers would cost more than the rows
+            they save. ``1.0`` or more turns skipping off; ``0.0`` skips any ignored row.
     """
 
     fused_logits: bool = True
@@ -60,6 +64,7 @@ class Tuning:
     two_pass: bool | None = None
     fp32_grad_weight: bool | None = None
     balanced_chunks: bool = False
+    skip_ignored_share: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("row_block", "min_token_chunk_rows"):
@@ -74,6 +79,9 @@ class Tuning:
             raise ValueError(
                 f"Tuning.row_warps must be (block at least, warps) pairs, got {self.row_warps!r}"
             )
+        share = self.skip_ignored_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 0:
+            raise ValueError(f"Tuning.skip_ignored_share must be a number >= 0, got {share!r}")
         if len(self.logits_tiles) != 5:
             raise ValueError(
                 f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}"

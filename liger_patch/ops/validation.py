@@ -151,19 +151,22 @@ def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def check_values(
     labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | None = None
-) -> None:
+) -> int:
     """Raise for a label outside [0, V) that is not ``ignore_index`` (IndexError), or for a
     ``num_items_in_batch`` tensor that is negative or not finite (ValueError; ``divisor`` is it
     as ``_divisor`` made it, ``None`` when none was given as a tensor). Both are checked on the
-    device and read back in one host sync."""
-    bad_labels = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    device and read back in one host sync, with the number of labels that are not
+    ``ignore_index``, which is returned."""
+    keep = labels != ignore_index
+    bad_labels = keep & ((labels < 0) | (labels >= vocab))
     bad = bad_labels.any()
     bad_divisor = None
     if divisor is not None:
         bad_divisor = ~(torch.isfinite(divisor) & (divisor >= 0))
         bad = bad | bad_divisor
-    if not bool(bad):
-        return
+    any_bad, n_kept = torch.stack([bad.long(), keep.sum()]).tolist()
+    if not any_bad:
+        return n_kept
     if bad_divisor is not None and bool(bad_divisor):
         raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
     position = int(bad_labels.nonzero()[0, 0])

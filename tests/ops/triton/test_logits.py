@@ -6,6 +6,7 @@ the interpreter (CPU) the GEMM runs in fp32, as every CPU GEMM here does; on a H
 input's half dtype.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -50,6 +51,12 @@ def _assert_fused_covered(calls: list[int], n_tokens: int, device: torch.device,
         assert sum(calls) == n_tokens and all(rows > 0 for rows in calls), calls
     else:
         assert calls == []
+
+
+def _rows_walked(case, tuning: Tuning) -> int:
+    """Rows the forward's token chunks walk: the kept ones when it skips the ignored ones."""
+    n, kept = case.labels.numel(), case.n_kept
+    return kept if n - kept > 0 and n - kept >= tuning.skip_ignored_share * n else n
 
 
 def _transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
@@ -113,16 +120,18 @@ def test_op_parity_through_the_fused_gemm(gen, device, chunk_rows, fused_calls, 
     tuned = chunk_rows(16, 136)
     case = make_case(gen, (3, 16), 24, 136, dtype=dtype, device=device, bias=bias)
     check_parity(case, gen, tol=TOL[dtype], backend="triton", **opts, **tuned)
-    _assert_fused_covered(fused_calls, 48, device, dtype)
+    _assert_fused_covered(fused_calls, _rows_walked(case, tuned["tuning"]), device, dtype)
 
 
+@pytest.mark.parametrize("skip_share", [0.0, 1.0], ids=["skip_ignored", "every_row"])
 @pytest.mark.parametrize("pattern", IGNORE_PATTERNS + ["all"])
-def test_ignored_tokens_in_every_position(gen, device, chunk_rows, fused_calls, pattern):
+def test_ignored_tokens_in_every_position(gen, device, chunk_rows, fused_calls, pattern, skip_share):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     tuned = chunk_rows(16, 64)
+    tuned["tuning"] = dataclasses.replace(tuned["tuning"], skip_ignored_share=skip_share)
     case = make_case(gen, (40,), 16, 64, dtype=dtype, device=device, ignore=pattern)
     check_parity(case, gen, tol=TOL[dtype], backend="triton", z_loss_scale=1e-3, return_z_loss=True, **tuned)
-    _assert_fused_covered(fused_calls, 40, device, dtype)
+    _assert_fused_covered(fused_calls, _rows_walked(case, tuned["tuning"]), device, dtype)
 
 
 def test_two_pass_path_uses_it_for_pass_a(gen, device, chunk_rows, fused_calls, monkeypatch):
