@@ -97,7 +97,8 @@ def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, s
     A LoRA-wrapped head (the adapter would be silently dropped), a quantized head (packed
     integer/float8 weight or an overridden forward) and an offloaded head (weight on ``meta``)
     all take the original path instead. An FSDP2-sharded weight (a DTensor) is fused:
-    ``sharded_head.fused_head_loss`` gathers it; a tensor-parallel one is not.
+    ``sharded_head.fused_head_loss`` gathers it; so is a tensor-parallel one sharded over the
+    vocabulary (``Shard(0)``), by the vocabulary-parallel op; other DTensor shardings are not.
     """
     path = head_path(model, spec)
     if path is None:

@@ -22,14 +22,24 @@ its module hooks, and knows nothing of DeepSpeed.)
 A head that needs no wrapper (plain tensor weight: single device, DDP, or a head inside the root
 FSDP2 unit, whose weight the root already gathered) calls the op directly, as before.
 
-A weight that is still sharded *inside* the head's forward (tensor parallelism, a ZeRO-3 model
-that was not wrapped by the DeepSpeed engine) raises an error saying what to do, never a shape
-error from deep inside a kernel.
+**Tensor parallelism** (transformers' ``tp_plan``, a DTensor ``ColwiseParallel`` head) shards
+the weight over the vocabulary for good: it is a ``DTensor`` with one ``Shard(0)`` placement
+(others ``Replicate``), inside the head's call too. :func:`vocab_shard` reads this rank's rows,
+their offset and the process group from it, and the loss runs as the vocabulary-parallel op
+(``ops/vocab_parallel.py``) on the local rows, never calling the head (its tensor-parallel forward
+would gather the logits). Under FSDP2 as well (a 2-D mesh) the head's own call comes first, so
+that FSDP2 gathers its shard of the data-parallel dimension, and the vocabulary-parallel op runs
+inside it.
+
+A weight that is still sharded *inside* the head's forward in any other way (``Shard(1)``,
+``Partial``, a ZeRO-3 model that was not wrapped by the DeepSpeed engine) raises an error saying
+what to do, never a shape error from deep inside a kernel.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,14 +47,18 @@ import torch.nn as nn
 
 from liger_patch.ops.fused_linear_ce import fused_loss
 from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
+from liger_patch.ops.vocab_parallel import VocabShard, vocab_parallel_loss
 
 __all__ = [
+    "HeadShard",
     "ShardedHeadError",
     "fused_head_loss",
     "head_weight_is_managed",
     "is_dtensor",
     "is_zero3_partitioned",
     "sharded_head_reason",
+    "vocab_shard",
+    "vocab_shard_problem",
     "zero3_unavailable",
 ]
 
@@ -99,10 +113,12 @@ def _head_tensors(head: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 def head_weight_is_managed(head: nn.Module) -> bool:
-    """True when a sharding wrapper materialises the head's weight only around the head's call."""
+    """True when a sharding wrapper materialises the head's weight only around the head's call:
+    the head is an FSDP2 module, or its tensors are ZeRO-3 partitions. (A tensor-parallel weight
+    is never materialised: the loss runs on its shard, see :func:`vocab_shard`.)"""
     if isinstance(head, _fsdp_module_class()):
         return True
-    return any(is_dtensor(t) or is_zero3_partitioned(t) for t in _head_tensors(head))
+    return any(is_zero3_partitioned(t) for t in _head_tensors(head))
 
 
 def _under_fsdp2(model: nn.Module) -> bool:
@@ -110,34 +126,87 @@ def _under_fsdp2(model: nn.Module) -> bool:
     return bool(fsdp_module) and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
-def sharded_head_reason(model: nn.Module, head: nn.Module) -> str:
-    """Why a DTensor head weight can never be fused (``""`` when it can).
+@dataclass(frozen=True)
+class HeadShard:
+    """A vocabulary-sharded head as the loss needs it: this rank's rows of the weight and bias
+    (plain tensors, through which gradients reach the DTensor parameters) and where they sit."""
 
-    An FSDP2 shard is fine: the unit's hooks gather it for the call. A DTensor in a model without
-    any FSDP2 unit is a tensor-parallel (or otherwise distributed) weight that stays sharded.
-    """
-    if any(is_dtensor(t) for t in _head_tensors(head)) and not _under_fsdp2(model):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    shard: VocabShard
+
+
+def _vocab_mesh_dim(tensor: Any) -> int | None:
+    """The mesh dimension that shards a DTensor over its dim 0 alone (every other placement
+    ``Replicate``), else ``None``."""
+    placements = tuple(tensor.placements)
+    vocab_dims = [i for i, p in enumerate(placements) if p.is_shard() and p.dim % tensor.ndim == 0]
+    others_replicated = all(p.is_replicate() for i, p in enumerate(placements) if i not in vocab_dims)
+    return vocab_dims[0] if len(vocab_dims) == 1 and others_replicated else None
+
+
+def vocab_shard_problem(head: nn.Module) -> str:
+    """Why the head's DTensor weight (and bias) is not a vocabulary shard the fused loss can use,
+    ``""`` when it is one (or is not a DTensor)."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if not is_dtensor(weight):
+        return f"its head bias is a DTensor (placements {tuple(bias.placements)})" if is_dtensor(bias) else ""
+    dim = _vocab_mesh_dim(weight)
+    if dim is None:
         return (
-            "its head weight is a DTensor outside FSDP2 (tensor parallelism?); the fused loss needs "
-            "the full weight, so the original sharded head runs"
+            f"its head weight is a DTensor with placements {tuple(weight.placements)}, not sharded over "
+            "the vocabulary alone (one Shard(0), the rest Replicate)"
         )
+    if bias is not None and not (
+        is_dtensor(bias) and bias.device_mesh == weight.device_mesh and _vocab_mesh_dim(bias) == dim
+    ):
+        return "its head bias is not sharded over the vocabulary like its weight"
     return ""
 
 
-def _check_full_weight(head: nn.Module) -> None:
-    """Raise :class:`ShardedHeadError` if a head tensor is still sharded inside the head's call."""
+def vocab_shard(head: nn.Module) -> HeadShard | None:
+    """This rank's part of a head sharded over the vocabulary (a tensor-parallel ``ColwiseParallel``
+    head: a DTensor weight with one ``Shard(0)`` placement), ``None`` for a plain weight.
+
+    The offset comes from the DTensor itself (``torch.chunk``'s split: with V not divisible by the
+    group, the last ranks hold fewer rows), the group from the mesh dimension that shards it.
+    Raises :class:`ShardedHeadError` for a DTensor sharded in any other way.
+    """
+    if not (is_dtensor(head.weight) or is_dtensor(getattr(head, "bias", None))):
+        return None
+    problem = vocab_shard_problem(head)
+    if problem:
+        raise ShardedHeadError(
+            f"liger_patch: {problem}, so the fused loss cannot use it. Shard lm_head column-wise (over "
+            "the vocabulary, as transformers' tp_plan does), or keep it replicated, or revert_liger(model) "
+            "to use the original head."
+        )
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    weight, bias = head.weight, head.bias
+    dim = _vocab_mesh_dim(weight)
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    shard = VocabShard(offset=offset[0], vocab=weight.shape[0], group=weight.device_mesh.get_group(dim))
+    return HeadShard(weight.to_local(), None if bias is None else bias.to_local(), shard)
+
+
+def sharded_head_reason(model: nn.Module, head: nn.Module) -> str:
+    """Why a DTensor head weight can never be fused (``""`` when it can).
+
+    An FSDP2 shard is fine: the unit's hooks gather it for the call (and a tensor-parallel shard
+    inside it is checked there). Outside FSDP2, a DTensor head is a tensor-parallel one: fine when
+    it is sharded over the vocabulary (:func:`vocab_shard_problem`).
+    """
+    if _under_fsdp2(model):
+        return ""
+    problem = vocab_shard_problem(head)
+    return f"{problem}; the original sharded head runs" if problem else ""
+
+
+def _check_gathered(head: nn.Module) -> None:
+    """Raise :class:`ShardedHeadError` if a ZeRO-3 head tensor was not gathered for the head's call."""
     for name, tensor in (("weight", head.weight), ("bias", getattr(head, "bias", None))):
-        if tensor is None:
-            continue
-        if is_dtensor(tensor):
-            raise ShardedHeadError(
-                f"liger_patch: lm_head.{name} is still a DTensor (placements {tuple(tensor.placements)}) "
-                "inside lm_head's forward, so it is sharded by something other than FSDP2 (tensor "
-                "parallelism?). The fused loss needs the full weight: keep lm_head replicated in the "
-                "tensor-parallel plan, shard it with torch.distributed.fsdp.fully_shard only, or "
-                "revert_liger(model) to use the original head."
-            )
-        if zero3_unavailable(tensor):
+        if tensor is not None and zero3_unavailable(tensor):
             raise ShardedHeadError(
                 f"liger_patch: lm_head.{name} is partitioned by DeepSpeed ZeRO-3 and was not gathered "
                 f"for lm_head's call (ds_status={tensor.ds_status}). The fused loss runs inside "
@@ -145,6 +214,23 @@ def _check_full_weight(head: nn.Module) -> None:
                 "the DeepSpeed engine (deepspeed.initialize, accelerate or the HF Trainer), or use "
                 "ZeRO stage 1/2 or FSDP2, or revert_liger(model) to use the original head."
             )
+
+
+def _loss_from_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
+    """The fused loss from the head's tensors as they are now: whole (``fused_loss``), or this
+    rank's vocabulary shard (``vocab_parallel_loss``)."""
+    found = vocab_shard(head)
+    if found is None:
+        _check_gathered(head)
+        return fused_loss(hidden, head.weight, labels, head.bias, **loss_kwargs)
+    if is_dtensor(hidden):
+        raise ShardedHeadError(
+            f"liger_patch: the hidden states reaching the tensor-parallel lm_head are a DTensor (placements "
+            f"{tuple(hidden.placements)}); the fused loss takes them as plain tensors, the same on every "
+            "rank of the group, as transformers' tp_plan passes them (use_local_output=True in a torch "
+            "parallelize_module plan), or revert_liger(model) to use the original head."
+        )
+    return vocab_parallel_loss(hidden, found.weight, labels, found.bias, shard=found.shard, **loss_kwargs)
 
 
 def _call_head_as_fused_loss(
@@ -155,12 +241,12 @@ def _call_head_as_fused_loss(
     The call has the original's exact form (one positional tensor), so every hook sees what it
     sees for ``lm_head(hidden)``: FSDP2 casts ``hidden`` to its ``param_dtype``, a hook that
     rewrites the inputs keeps working, and the labels and ``loss_kwargs`` (the options, a float
-    ``num_items_in_batch`` tensor included) reach the op untouched, through the closure.
+    ``num_items_in_batch`` tensor included) reach the op untouched, through the closure. A
+    forward that transformers' tensor parallelism put on the instance is set aside for the call.
     """
 
     def fused_loss_forward(hidden_in: torch.Tensor) -> Any:
-        _check_full_weight(head)
-        return fused_loss(hidden_in, head.weight, labels, head.bias, **loss_kwargs)
+        return _loss_from_head_tensors(head, hidden_in, labels, **loss_kwargs)
 
     own = vars(head).get("forward")
     head.forward = fused_loss_forward
@@ -187,10 +273,11 @@ def fused_head_loss(
     ``overrides`` are options set for this call only (the op applies them to ``options``). For a
     head whose weight FSDP2 or DeepSpeed ZeRO-3 manages (:func:`head_weight_is_managed`) the loss
     is computed inside ``head``'s own call, so the weight is gathered before it, the gradient is
-    reduced after it, and the backward re-gathers it, exactly as for ``head(hidden)``. Any other
-    head calls the op directly.
+    reduced after it, and the backward re-gathers it, exactly as for ``head(hidden)``. A head
+    sharded over the vocabulary (tensor parallelism) gets the vocabulary-parallel op on its
+    local rows; any other head calls the op directly.
     """
     loss_kwargs = dict(options=options, num_items_in_batch=num_items_in_batch, **overrides)
     if not head_weight_is_managed(head):
-        return fused_loss(hidden, head.weight, labels, head.bias, **loss_kwargs)
+        return _loss_from_head_tensors(head, hidden, labels, **loss_kwargs)
     return _call_head_as_fused_loss(head, hidden, labels, **loss_kwargs)

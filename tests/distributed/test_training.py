@@ -26,7 +26,7 @@ TRAINER_SCENARIOS = ["trainer_ddp", "trainer_fsdp2"] if TWO_GPUS else ["trainer_
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("distributed")
-    names = [*SCENARIOS, *TRAINER_SCENARIOS, "tensor_parallel_head"]
+    names = [*SCENARIOS, *TRAINER_SCENARIOS]
     run_workers("tests.distributed.workers", ["--out", str(out), *names], out, timeout=300)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
@@ -75,12 +75,3 @@ def test_trainer_with_callback_trains_like_plain_trainer(results, scenario):
     assert len(result["patched"]["losses"]) == 2
     if scenario == "trainer_fsdp2":
         assert result["patched"]["sharded"], "the Trainer did not shard the model with FSDP2"
-
-
-def test_tensor_parallel_head_keeps_original_path_and_fused_call_says_why(results):
-    result = results["tensor_parallel_head"]
-    (loss_plain, _), (loss_patched, logits_none) = result["losses"][False], result["losses"][True]
-    torch.testing.assert_close(loss_patched, loss_plain, rtol=TOL.loss, atol=TOL.loss)
-    assert not logits_none  # original path: real logits
-    assert len(result["warnings"]) == 1 and "DTensor outside FSDP2" in result["warnings"][0]
-    assert "still a DTensor" in result["error"] and "tensor parallel" in result["error"]

@@ -282,50 +282,13 @@ def train_with_trainer(device: torch.device, fsdp: bool, patched: bool, out_dir:
     }
 
 
-def tensor_parallel_head(device: torch.device) -> dict:
-    """lm_head column-parallel (a DTensor weight that stays sharded): original path, clear error.
-
-    The patched model must warn once and run the original head (same loss as unpatched), and the
-    fused loss forced onto that head must raise ShardedHeadError, not a shape error in a kernel.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    import liger_patch as lp
-    from liger_patch.patching.sharded_head import ShardedHeadError, fused_head_loss
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    batch = rank_batch(0, 0, device)  # the same batch on every rank, as tensor parallelism wants
-    losses, warned = {}, []
-    for patched in (False, True):
-        model = build_model(device, tied=False)
-        parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Replicate()))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if patched:
-                lp.apply_liger_to(model)
-            out = model(**batch)
-        warned += [str(w.message) for w in caught if "liger_patch" in str(w.message)]
-        out.loss.backward()
-        losses[patched] = (out.loss.detach().float().cpu(), out.logits is None)
-    hidden = torch.randn(5, model.config.hidden_size, device=device, requires_grad=True)
-    labels = torch.randint(0, model.config.vocab_size, (5,), device=device)
-    try:
-        fused_head_loss(model.lm_head, hidden, labels)
-        error = ""
-    except ShardedHeadError as exc:
-        error = str(exc)
-    return {"losses": losses, "warnings": warned, "error": error}
-
-
 TRAINER_SCENARIOS: dict[str, dict] = {
     "trainer_ddp": dict(fsdp=False),
     "trainer_fsdp2": dict(fsdp=True),  # accelerate refuses FSDP on CPU: GPU only
 }
 
 
-ALL_SCENARIOS = sorted([*SCENARIOS, *TRAINER_SCENARIOS, "tensor_parallel_head"])
+ALL_SCENARIOS = sorted([*SCENARIOS, *TRAINER_SCENARIOS])
 
 
 def run_scenario(name: str, device: torch.device, out_dir: Path) -> None:
@@ -335,12 +298,6 @@ def run_scenario(name: str, device: torch.device, out_dir: Path) -> None:
             "unpatched": train_with_trainer(device, fsdp, False, out_dir),
             "patched": train_with_trainer(device, fsdp, True, out_dir),
         }
-        if dist.get_rank() == 0:
-            torch.save(result, out_dir / f"{name}.pt")
-        dist.barrier()
-        return
-    if name == "tensor_parallel_head":
-        result = tensor_parallel_head(device)
         if dist.get_rank() == 0:
             torch.save(result, out_dir / f"{name}.pt")
         dist.barrier()
