@@ -20,7 +20,7 @@ from tests.patching_helpers import tolerances
 
 TOL = tolerances(torch.float32)
 NEEDS_TP_PLAN = pytest.mark.skipif(
-    not transformers_has_distributed_config(), reason="transformers < 5 has no DistributedConfig"
+    not transformers_has_distributed_config(), reason="no DistributedConfig(tp_plan=...) here"
 )
 TWO_RANKS = ["colwise_head", "colwise_head_bias", "rowwise_head"]
 if transformers_has_distributed_config():

@@ -40,12 +40,17 @@ TP_VOCAB = 1001  # odd: the shards differ in size (501 and 500 rows)
 
 
 def transformers_has_distributed_config() -> bool:
-    """transformers >= 5 loads tensor-parallel models through ``DistributedConfig``."""
+    """Whether this transformers loads tensor-parallel models through ``DistributedConfig(tp_plan=...)``
+    (5.x; 4.57 has a ``DistributedConfig`` without ``tp_plan``)."""
+    import dataclasses
+
     try:
-        from transformers.distributed import DistributedConfig  # noqa: F401
+        from transformers.distributed import DistributedConfig
     except ImportError:
         return False
-    return True
+    return dataclasses.is_dataclass(DistributedConfig) and any(
+        field.name == "tp_plan" for field in dataclasses.fields(DistributedConfig)
+    )
 
 
 def save_checkpoint(out_dir: Path, device: torch.device, tied: bool) -> Path:
