@@ -157,15 +157,12 @@ def _leaf(t: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor | N
     return part.clone().requires_grad_(t.requires_grad)
 
 
-def run_sharded(case, opts: dict, upstream: dict, spec: dict) -> dict:
-    """This rank's sharded run: outputs, grad_h, and its shard's weight and bias gradients."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    offset, rows = shard_rows(case.weight.shape[0], rank, world)
-    part = slice(offset, offset + rows)
-    hidden, weight, bias = _leaf(case.hidden), _leaf(case.weight, part), _leaf(case.bias, part)
-    shard = VocabShard(offset, case.weight.shape[0], dist.group.WORLD)
+def _run(loss_fn, leaves: dict, opts: dict, upstream: dict, spec: dict) -> dict:
+    """Call ``loss_fn`` (hidden, weight, bias leaves -> outputs) under the spec's autocast,
+    backprop the objective (twice over a retained graph when the spec says so), and return the
+    outputs and the leaves' gradients."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("autocast", False)):
-        outs = _outputs(vocab_parallel_loss(hidden, weight, case.labels, bias, shard=shard, **opts), opts)
+        outs = _outputs(loss_fn(leaves["hidden"], leaves["weight"], leaves["bias"]), opts)
     objective = _objective(outs, upstream)
     if objective.requires_grad:
         objective.backward(retain_graph=spec.get("backward_twice", False))
@@ -173,32 +170,38 @@ def run_sharded(case, opts: dict, upstream: dict, spec: dict) -> dict:
             objective.backward()
     return {
         "outputs": {k: v.detach() for k, v in outs.items()},
-        "grads": {
-            n: None if t is None else t.grad
-            for n, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
-        },
+        "grads": {n: None if t is None else t.grad for n, t in leaves.items()},
     }
+
+
+def run_sharded(case, opts: dict, upstream: dict, spec: dict) -> dict:
+    """This rank's sharded run: outputs, grad_h, and its shard's weight and bias gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    offset, rows = shard_rows(case.weight.shape[0], rank, world)
+    part = slice(offset, offset + rows)
+    leaves = {
+        "hidden": _leaf(case.hidden),
+        "weight": _leaf(case.weight, part),
+        "bias": _leaf(case.bias, part),
+    }
+    shard = VocabShard(offset, case.weight.shape[0], dist.group.WORLD)
+    return _run(
+        lambda h, w, b: vocab_parallel_loss(h, w, case.labels, b, shard=shard, **opts),
+        leaves,
+        opts,
+        upstream,
+        spec,
+    )
 
 
 def run_unsharded(case, opts: dict, upstream: dict, spec: dict) -> dict:
     """The unsharded op on the same inputs and upstream gradients."""
     from liger_patch import fused_linear_cross_entropy
 
-    hidden, weight, bias = _leaf(case.hidden), _leaf(case.weight), _leaf(case.bias)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("autocast", False)):
-        outs = _outputs(fused_linear_cross_entropy(hidden, weight, case.labels, bias, **opts), opts)
-    objective = _objective(outs, upstream)
-    if objective.requires_grad:
-        objective.backward(retain_graph=spec.get("backward_twice", False))
-        if spec.get("backward_twice"):
-            objective.backward()
-    return {
-        "outputs": {k: v.detach() for k, v in outs.items()},
-        "grads": {
-            n: None if t is None else t.grad
-            for n, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
-        },
-    }
+    leaves = {"hidden": _leaf(case.hidden), "weight": _leaf(case.weight), "bias": _leaf(case.bias)}
+    return _run(
+        lambda h, w, b: fused_linear_cross_entropy(h, w, case.labels, b, **opts), leaves, opts, upstream, spec
+    )
 
 
 def run_reference(case, opts: dict, upstream: dict, spec: dict, returned: list[str]) -> dict:
