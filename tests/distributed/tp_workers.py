@@ -24,8 +24,6 @@ Rank 0 writes ``DIR/<scenario>.pt`` with the losses, what the head looked like, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.distributed.workers import LR, STEPS, full_params, rank_batch, rank_device
+from tests.distributed.workers import LR, STEPS, full_params, init_rank, rank_batch
 
 TP_VOCAB = 1001  # odd: the shards differ in size (501 and 500 rows)
 
@@ -229,10 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    world = int(os.environ["WORLD_SIZE"])
-    device, backend = rank_device(world)
-    options = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **options)
+    device = init_rank()
     for name in args.scenarios:  # a failure's traceback goes to the rank's log, which launch.py shows
         result = SCENARIOS[name](device, args.out)
         if dist.get_rank() == 0:

@@ -50,6 +50,15 @@ def rank_device(world_size: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def init_rank() -> torch.device:
+    """Join the process group of this torchrun-style launch (``rank_device``'s backend) and
+    return the rank's device."""
+    device, backend = rank_device(int(os.environ["WORLD_SIZE"]))
+    options = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **options)
+    return device
+
+
 def build_model(device: torch.device, tied: bool) -> nn.Module:
     """The same randomly initialised tiny Llama on every rank, fp32."""
     from tests.patching_helpers import tiny_model
@@ -321,10 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="+", choices=ALL_SCENARIOS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    world = int(os.environ["WORLD_SIZE"])
-    device, backend = rank_device(world)
-    options = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120), **options)
+    device = init_rank()
     for name in args.scenarios:  # a failure's traceback goes to the rank's log, which launch.py shows
         run_scenario(name, device, args.out)
     dist.destroy_process_group()
