@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops import budget, validation
-from liger_patch.ops.backends import pick
-from liger_patch.ops.chunked import run_chunks
+from liger_patch.ops.backends import Backend, pick
+from liger_patch.ops.chunked import ChunkResult, run_chunks
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 from liger_patch.ops.torch_ce import ce_rows_torch, final_logits
@@ -43,14 +43,14 @@ def _wants_argmax(opts: LossOptions) -> bool:
     return opts.return_token_accuracy or opts.return_predicted_tokens
 
 
-def _class_weight(class_weight: Tensor | None) -> ClassWeight | None:
+def class_weight_record(class_weight: Tensor | None) -> ClassWeight | None:
     if class_weight is None:
         return None
     weight = class_weight.to(_F32).contiguous()
     return ClassWeight(weight, weight.sum())
 
 
-def _divisor(
+def loss_divisor(
     opts: LossOptions,
     keep: Tensor,
     labels: Tensor,
@@ -118,14 +118,14 @@ def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
     )
 
 
-def _reduce(rows: Tensor, reduction: str, divisor: Tensor | float) -> Tensor:
+def reduce_rows(rows: Tensor, reduction: str, divisor: Tensor | float) -> Tensor:
     if reduction == "none":
         return rows
     total = rows.sum()
     return total if reduction == "sum" else total / divisor
 
 
-def _z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
+def z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
     """``z_loss_scale * lse^2`` per row; exactly 0 without z-loss (``0 * lse^2`` would be NaN
     once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is finite)."""
     if opts.z_loss_scale == 0.0:
@@ -154,8 +154,8 @@ def flce(
     ``needs`` says which of hidden, weight, bias want gradients."""
     opts = LossOptions.from_key(options)
     labels = labels.long().contiguous()  # kernels index labels by row
-    cw = _class_weight(class_weight)
-    divisor = _divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
+    cw = class_weight_record(class_weight)
+    divisor = loss_divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
     labels, poison, kept_rows = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
     keep = labels != opts.ignore_index
     row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
@@ -181,11 +181,11 @@ def flce(
             outputs=outputs,
             row_index=kept_rows,
         )
-    z_rows = _z_loss_rows(res.lse, opts)
+    z_rows = z_loss_rows(res.lse, opts)
     if outputs.token_scale is not None:  # the kernels scaled ce already
         z_rows = z_rows * outputs.token_scale
-    loss = _reduce(res.ce + z_rows, opts.reduction, divisor)
-    z_loss = _reduce(z_rows, opts.reduction, divisor)
+    loss = reduce_rows(res.ce + z_rows, opts.reduction, divisor)
+    z_loss = reduce_rows(z_rows, opts.reduction, divisor)
     if poison is not None:
         loss, z_loss = loss * poison, z_loss * poison
 
@@ -255,13 +255,48 @@ def flce_backward(
     per-row coefficients of d ce, d z-loss and (``entropy_coef``) d entropy."""
     opts = LossOptions.from_key(options)
     entropy_grad = None if entropy_coef is None else EntropyGrad(entropy_coef.float(), entropy)
+    res = recompute_grads(
+        pick(opts.backend, hidden.device),
+        (hidden, weight, bias),
+        labels.long().contiguous(),
+        class_weight,
+        opts,
+        needs,
+        lse=lse,
+        coef_ce=coef_ce,
+        coef_z=coef_z,
+        entropy_grad=entropy_grad,
+    )
+    return tuple(
+        g if g is not None else _empty(hidden) for g in (res.grad_hidden, res.grad_weight, res.grad_bias)
+    )
+
+
+def recompute_grads(
+    backend: Backend,
+    inputs: tuple[Tensor, Tensor, Tensor | None],
+    labels: Tensor,
+    class_weight: Tensor | None,
+    opts: LossOptions,
+    needs: list[bool] | tuple[bool, ...],
+    *,
+    lse: Tensor,
+    coef_ce: Tensor,
+    coef_z: Tensor,
+    entropy_grad: EntropyGrad | None,
+) -> ChunkResult:
+    """The gradients of ``inputs`` (hidden, weight, bias) that ``needs`` asks for, from logits
+    recomputed with the rows' log-sum-exp ``lse`` and per-row coefficients of d ce, d z-loss and
+    (``entropy_grad``) d entropy: the backward of ``flce`` and of the vocabulary-parallel loss
+    (whose ``backend`` reads a shard's columns of wider rows)."""
+    hidden, weight, bias = inputs
     with torch.autocast(hidden.device.type, enabled=False):
-        res = run_chunks(
-            pick(opts.backend, hidden.device),
+        return run_chunks(
+            backend,
             hidden,
             weight,
             bias,
-            labels.long().contiguous(),
+            labels,
             opts,
             budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel()),
             coef_ce=coef_ce,
@@ -270,12 +305,9 @@ def flce_backward(
             need_hidden=needs[0],
             need_weight=needs[1],
             need_bias=needs[2] and bias is not None,
-            class_weight=_class_weight(class_weight),
+            class_weight=class_weight_record(class_weight),
             entropy_grad=entropy_grad,
         )
-    return tuple(
-        g if g is not None else _empty(hidden) for g in (res.grad_hidden, res.grad_weight, res.grad_bias)
-    )
 
 
 @flce_backward.register_fake
@@ -376,10 +408,10 @@ def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
     if bias is not None:
         logits = logits + bias.float()
     labels = labels.long()
-    ce, lse = ce_rows_torch(logits, labels, opts, class_weight=_class_weight(class_weight))
+    ce, lse = ce_rows_torch(logits, labels, opts, class_weight=class_weight_record(class_weight))
     if opts.use_token_scaling:
         row_weight = row_weight * token_scale
-    z_rows = row_weight * _z_loss_rows(lse, opts)
+    z_rows = row_weight * z_loss_rows(lse, opts)
     outputs, upstream = [], []
     for rows, grad in ((row_weight * ce + z_rows, grad_loss), (z_rows, grad_z)):
         if grad is not None and rows.requires_grad:

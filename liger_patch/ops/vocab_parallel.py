@@ -40,11 +40,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from liger_patch.ops import budget, outputs, shard_stats, validation
+from liger_patch.ops import outputs, shard_stats, validation
 from liger_patch.ops.backends import Backend, pick
-from liger_patch.ops.chunked import run_chunks
 from liger_patch.ops.fused_linear_ce import autocast_inputs
-from liger_patch.ops.operator import _class_weight, _divisor, _reduce, _z_loss_rows
+from liger_patch.ops.operator import (
+    class_weight_record,
+    loss_divisor,
+    recompute_grads,
+    reduce_rows,
+    z_loss_rows,
+)
 from liger_patch.ops.options import (
     DEFAULT_OPTIONS,
     LossOptions,
@@ -189,7 +194,7 @@ def _rows(
     zero = torch.zeros((), dtype=_F32, device=lse.device)
     ce, lse = torch.where(keep, ce, zero), torch.where(keep, lse, zero)
     token_scale = None
-    z_rows = _z_loss_rows(lse, opts)
+    z_rows = z_loss_rows(lse, opts)
     if opts.use_token_scaling:
         token_scale = torch.where(keep, torch.exp((z_label - lse).clamp_max(0.0)), zero)
         ce, z_rows = ce * token_scale, z_rows * token_scale
@@ -213,8 +218,8 @@ class _VocabParallelLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, class_weight, num_items, num_items_value, shard, opts):
         labels = labels.long().contiguous()
         keep = labels != opts.ignore_index
-        cw = _class_weight(class_weight)
-        divisor = _divisor(opts, keep, labels, cw, num_items, num_items_value)
+        cw = class_weight_record(class_weight)
+        divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
         needs = list(ctx.needs_input_grad[:3])
         _agree(labels, shard, opts, divisor if num_items is not None else None, needs)
         names = shard_stats.stat_names(opts)
@@ -225,8 +230,8 @@ class _VocabParallelLoss(torch.autograd.Function):
         rows = _rows(
             shard_stats.combine(_all_gather(stats, shard.group), names), labels, opts, cw, shard.vocab
         )
-        loss = _reduce(rows.ce + rows.z, opts.reduction, divisor)
-        z_loss = _reduce(rows.z, opts.reduction, divisor)
+        loss = reduce_rows(rows.ce + rows.z, opts.reduction, divisor)
+        z_loss = reduce_rows(rows.z, opts.reduction, divisor)
         row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
         if rows.token_scale is not None:
             row_weight = row_weight * rows.token_scale
@@ -288,24 +293,18 @@ def _shard_grads(
             torch.zeros_like(t) if need and t is not None else None
             for t, need in zip((hidden, weight, bias), needs, strict=True)
         ]
-    with torch.autocast(hidden.device.type, enabled=False):
-        res = run_chunks(
-            shard_backend(pick(opts.backend, hidden.device), shard),
-            hidden,
-            weight,
-            bias,
-            labels,
-            opts,
-            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel()),
-            coef_ce=coef_ce,
-            coef_z=coef_z,
-            lse_in=lse,
-            need_hidden=needs[0],
-            need_weight=needs[1],
-            need_bias=needs[2] and bias is not None,
-            class_weight=_class_weight(class_weight),
-            entropy_grad=entropy_grad,
-        )
+    res = recompute_grads(
+        shard_backend(pick(opts.backend, hidden.device), shard),
+        inputs,
+        labels,
+        class_weight,
+        opts,
+        needs,
+        lse=lse,
+        coef_ce=coef_ce,
+        coef_z=coef_z,
+        entropy_grad=entropy_grad,
+    )
     return [res.grad_hidden, res.grad_weight, res.grad_bias]
 
 
