@@ -188,3 +188,46 @@ def update_json(path: str | Path, key: str, value: object, **head: object) -> No
     data = json.loads(path.read_text()) if path.exists() else dict(head)
     data[key] = value
     write_json(path, data)
+
+
+# ---- shared by the multi-process scripts (distributed_gpu.py, tp_gpu.py) ----
+
+LOSS_TOL = 2e-2  # bf16 patched vs unpatched, absolute, per step (losses are ~8.3)
+GRAD_TOL = 5e-2  # step-0 gradient, relative L2 error of the worst parameter
+
+
+def log(*args) -> None:
+    """Print on rank 0 only."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered when a DTensor), detached, fp32, on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().cpu()
+
+
+def batch_for(step: int, seed: int, vocab: int, batch: int, seq: int, device: torch.device) -> dict:
+    """Random ids for one step, the first quarter of each sequence an ignored "prompt"; ``seed``
+    tells data-parallel replicas apart."""
+    g = torch.Generator().manual_seed(1000 * step + seed)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = input_ids.clone()
+    labels[:, : seq // 4] = -100  # a "prompt"
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+
+
+def worst_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest relative L2 error of ``a``'s tensors against ``b``'s, and its name."""
+    assert a.keys() == b.keys(), f"different parameters: {sorted(set(a) ^ set(b))}"
+    errors = {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)).item() for n in b}
+    name = max(errors, key=errors.get)
+    return errors[name], name
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))

@@ -40,15 +40,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 import liger_patch as lp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LLAMA_3_2_1B, PeakMemory, write_json  # noqa: E402
-
-LOSS_TOL = 2e-2  # bf16 patched vs unpatched, absolute, per step (losses are ~8.3)
-GRAD_TOL = 5e-2  # step-0 gradient, relative L2 error of the worst parameter
+from common import (  # noqa: E402
+    GRAD_TOL,
+    LLAMA_3_2_1B,
+    LOSS_TOL,
+    PeakMemory,
+    batch_for,
+    full,
+    log,
+    max_abs_diff,
+    worst_relative_error,
+    write_json,
+)
 
 TINY = dict(
     vocab_size=4096,
@@ -64,11 +71,6 @@ SMOKE_TINY = dict(TINY, vocab_size=256, hidden_size=64, intermediate_size=128, h
 LLAMA_1B = LLAMA_3_2_1B
 SMOKE_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
-
-
-def log(*args) -> None:
-    if dist.get_rank() == 0:
-        print(*args, flush=True)
 
 
 def build_llama(shape: dict, device: torch.device, tied: bool, seed: int = 0) -> nn.Module:
@@ -92,18 +94,6 @@ def shard_fsdp2(model: nn.Module, head_unit: bool, mp: MixedPrecisionPolicy | No
         fully_shard(model.lm_head, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().cpu()
-
-
-def batch_for(step: int, rank: int, vocab: int, batch: int, seq: int, device: torch.device) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    input_ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    labels = input_ids.clone()
-    labels[:, : seq // 4] = -100  # a "prompt"
-    return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,17 +134,6 @@ def parity_run(wrapping: str, patched: bool, bf16: bool, device: torch.device, s
         losses.append(loss.item() / dist.get_world_size())
     params = {n: full(p) for n, p in model.named_parameters()}
     return {"losses": losses, "grads0": grads0, "params": params, "logits_none": out.logits is None}
-
-
-def worst_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert a.keys() == b.keys(), f"different parameters: {sorted(set(a) ^ set(b))}"
-    errors = {n: ((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)).item() for n in b}
-    name = max(errors, key=errors.get)
-    return errors[name], name
-
-
-def max_abs_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def parity(device: torch.device, steps: int) -> tuple[dict, bool]:
