@@ -94,8 +94,7 @@ def _checked_labels(
     user_divisor = divisor if num_items is not None else None
     if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
         n_kept = validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
-        n_ignored = labels.shape[0] - n_kept
-        if n_ignored == 0 or n_ignored < opts.tuning.skip_ignored_share * labels.shape[0]:
+        if not opts.tuning.skips_ignored(labels.shape[0], n_kept):
             return labels, None, None
         kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)
         return labels, None, kept

@@ -104,6 +104,12 @@ class Tuning:
         changed = (f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
         return f"Tuning({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in changed)})"
 
+    def skips_ignored(self, n_rows: int, n_kept: int) -> bool:
+        """Whether a forward over ``n_rows`` labels of which ``n_kept`` are kept walks only the
+        kept rows: some are ignored, at least ``skip_ignored_share`` of them."""
+        n_ignored = n_rows - n_kept
+        return n_ignored > 0 and n_ignored >= self.skip_ignored_share * n_rows
+
     def warps_for(self, block: int) -> int:
         """Warps for a row-kernel block of ``block`` columns (``row_warps``, first match)."""
         return next((warps for at_least, warps in self.row_warps if block >= at_least), self.row_warps[-1][1])

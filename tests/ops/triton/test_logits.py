@@ -56,7 +56,7 @@ def _assert_fused_covered(calls: list[int], n_tokens: int, device: torch.device,
 def _rows_walked(case, tuning: Tuning) -> int:
     """Rows the forward's token chunks walk: the kept ones when it skips the ignored ones."""
     n, kept = case.labels.numel(), case.n_kept
-    return kept if n - kept > 0 and n - kept >= tuning.skip_ignored_share * n else n
+    return kept if tuning.skips_ignored(n, kept) else n
 
 
 def _transform(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
