@@ -223,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         torch.save(result, args.out / f"{args.variant}_{args.patch}.pt")
     dist.barrier()
-    dist.destroy_process_group()  # else a rank can abort at exit ("terminate called ...")
-    return 0
+    # Both ranks are done and the results are written. Leave without the interpreter's teardown:
+    # with DeepSpeed's shm comm op loaded, a rank sometimes aborts there ("terminate called
+    # without an active exception", exit -6), even after destroy_process_group (seen in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
