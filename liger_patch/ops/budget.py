@@ -128,6 +128,13 @@ class ChunkShape:
     partial_bytes_per_row: int = 0  # log-sum-exp partials the fused logits GEMM leaves per row
     grad_weight: bool = False  # grad_W is computed here
     gather_bytes_per_row: int = 0  # a chunk of gathered rows' hidden states and grad_h, per row
+    operand_bytes: int = 0  # bytes per element of the hidden states, which the GEMMs round the
+    # weight to (narrower than the weight under autocast: an fp32 weight, bf16 GEMMs); 0: weight_bytes
+
+    @property
+    def gemm_bytes(self) -> int:
+        """Bytes per element of the GEMMs' copy of the weight (fp32 on the CPU)."""
+        return 4 if self.gemm_fp32 else self.operand_bytes or self.weight_bytes
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,13 @@ class ChunkPlan:
     pass B walks ``vocab_blocks`` ``(v0, v1, in_grad_weight)`` for grad_W. ``logits_in_grad_weight``:
     pass A keeps its logits chunks in grad_W's bytes (free until pass B), which allows larger
     chunks. ``grad_weight_fp32``: the token-chunk sum of grad_W is kept in fp32 (else in the
-    weight's dtype, whose first chunk overwrites instead of adding: ``overwrite_first``).
+    hidden states' dtype, whose first chunk overwrites instead of adding: ``overwrite_first``).
+
+    ``weight_in_grad_weight``: the GEMMs' copy of a weight twice as wide as they are (an fp32
+    weight under bf16 autocast) lives in grad_W's second half, and grad_W's first half holds
+    the token chunks' sum (one pass, widened in place at the end) or pass A's logits (two
+    passes, whose pass B overwrites the copy only behind the block it has used). The copy then
+    costs no memory beyond grad_W.
     """
 
     rows: int
@@ -147,6 +160,7 @@ class ChunkPlan:
     grad_weight_fp32: bool = True
     overwrite_first: bool = False
     vocab_blocks: tuple[tuple[int, int, bool], ...] = ()
+    weight_in_grad_weight: bool = False
 
 
 ALIGN = 16
@@ -162,6 +176,14 @@ def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:
     return chunk_rows(shape.vocab, chunk_budget, shape.logit_bytes, tuning, shape.n_rows)
 
 
+def _copy_fits_half(shape: ChunkShape) -> bool:
+    """Whether the GEMMs' copy of the weight can fill exactly grad_W's second half, starting at
+    an ``ALIGN``-byte boundary: it is half as wide as grad_W (an fp32 weight under bf16
+    autocast, or fp64 with fp32 GEMMs)."""
+    half = shape.weight_numel * shape.gemm_bytes
+    return shape.grad_weight and shape.weight_bytes == 2 * shape.gemm_bytes and half % ALIGN == 0
+
+
 def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPlan:
     """The chunk plan of a call that may use ``budget_bytes`` of working memory."""
     rows = _rows_within(shape, budget_bytes, tuning)
@@ -171,10 +193,11 @@ def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPl
     if not shape.grad_weight:
         return ChunkPlan(rows=rows)
     if two_pass:
-        # Pass A may keep its chunks in grad_W's bytes; the partials still come out of the budget.
-        scratch_rows = min(
-            shape.n_rows, shape.weight_numel * shape.weight_bytes // (shape.vocab * shape.logit_bytes)
-        )
+        # Pass A may keep its chunks in grad_W's bytes (the first half of them when the weight's
+        # copy takes the second); the partials still come out of the budget.
+        copy_inside = _copy_fits_half(shape)
+        scratch_bytes = shape.weight_numel * (shape.gemm_bytes if copy_inside else shape.weight_bytes)
+        scratch_rows = min(shape.n_rows, scratch_bytes // (shape.vocab * shape.logit_bytes))
         if shape.partial_bytes_per_row:
             scratch_rows = min(scratch_rows, max(1, budget_bytes // shape.partial_bytes_per_row))
         in_grad_weight = scratch_rows > rows
@@ -183,30 +206,42 @@ def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPl
             two_pass=True,
             logits_in_grad_weight=in_grad_weight,
             grad_weight_fp32=False,
-            vocab_blocks=vocab_blocks(shape, budget_bytes, tuning),
+            vocab_blocks=vocab_blocks(shape, budget_bytes, tuning, grad_weight_room=not copy_inside),
+            weight_in_grad_weight=copy_inside,
         )
-    # Half GEMMs on a GPU sum grad_W in the weight's dtype (one rounding per chunk; one chunk is
-    # one rounding, as in an unpatched head), with chunks as large as the budget allows: an fp32
-    # copy would take budget from the chunks and double grad_W's traffic per chunk (item 25).
+    # Half GEMMs on a GPU sum grad_W in the hidden states' dtype (one rounding per chunk; one
+    # chunk is one rounding, as in an unpatched head), with chunks as large as the budget allows:
+    # an fp32 copy would take budget from the chunks and double grad_W's traffic per chunk (item 25).
     fp32 = tuning.fp32_grad_weight
     if fp32 is None:
         fp32 = shape.gemm_fp32
-    if fp32 and not shape.gemm_fp32:
+    if fp32 and not shape.gemm_fp32 and shape.weight_bytes != 4:  # an fp32 sum beside grad_W
         rest = budget_bytes - 4 * shape.weight_numel
         rows = max(1, _rows_within(shape, rest, tuning) if rest > 0 else 0)
-    return ChunkPlan(rows=rows, grad_weight_fp32=fp32, overwrite_first=not fp32 and shape.n_rows > 0)
+    sum_bytes = 4 if fp32 else shape.operand_bytes or shape.weight_bytes
+    return ChunkPlan(
+        rows=rows,
+        grad_weight_fp32=fp32,
+        overwrite_first=not fp32 and shape.n_rows > 0,
+        weight_in_grad_weight=_copy_fits_half(shape) and sum_bytes == shape.gemm_bytes,
+    )
 
 
-def vocab_blocks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> tuple[tuple[int, int, bool], ...]:
+def vocab_blocks(
+    shape: ChunkShape, budget_bytes: int, tuning: Tuning, grad_weight_room: bool = True
+) -> tuple[tuple[int, int, bool], ...]:
     """Pass B's vocabulary blocks ``(v0, v1, in_grad_weight)``.
 
     A block's ``tokens x cols`` logits live in the rows of grad_W that are still unwritten (those
     after the block) while they are large enough, which makes the early blocks wide; the last
-    ones use a buffer of ``budget_bytes``.
+    ones use a buffer of ``budget_bytes``. Without ``grad_weight_room`` (the weight's copy fills
+    those rows) every block uses the buffer.
     """
     n_rows, vocab = shape.n_rows, shape.vocab
     row_bytes = shape.weight_numel // max(vocab, 1) * shape.weight_bytes
     budget_cols = chunk_rows(n_rows, budget_bytes, shape.logit_bytes, tuning)
+    if not grad_weight_room:
+        return tuple((v0, min(v0 + budget_cols, vocab), False) for v0 in range(0, vocab, budget_cols))
     blocks = []
     v0 = 0
     while v0 < vocab:

@@ -200,10 +200,13 @@ def _buffer_in(
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b``, written straight into ``out`` when the dtypes match (CUDA), else rounded
-    into it from the fp32 product (CPU, whose GEMMs run in fp32)."""
+    """``out = a @ b``, written straight into ``out`` when the dtypes match (CUDA) or an fp32
+    ``out`` takes half operands' fp32 accumulator (pass B's grad_W under autocast), else rounded
+    into it from the product (CPU, whose GEMMs run in fp32)."""
     if a.dtype == out.dtype:
         torch.mm(a, b, out=out)
+    elif out.dtype == torch.float32 and a.dtype.itemsize == 2 and _has_out_dtype_mm(a.device.type):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:
         out.copy_(a @ b)
 
@@ -218,6 +221,66 @@ def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor,
         torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
     else:
         acc.add_(g.t() @ h)
+
+
+def _grad_weight_buffers(
+    plan: ChunkPlan, weight: torch.Tensor, operand_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """grad_W in the weight's dtype, and the token chunks' sum when it is kept in another dtype
+    (fp32, or the hidden states' dtype under autocast): a view of grad_W's first half when the
+    plan puts the weight's copy in the second (``plan.weight_in_grad_weight``), else its own
+    tensor, and grad_W (``None`` here) is made from it at the end. A sum whose first chunk
+    overwrites, and pass B, which writes every block, need no zeros."""
+    fills = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
+    if plan.two_pass:
+        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
+    sum_dtype = torch.float32 if plan.grad_weight_fp32 else operand_dtype
+    if sum_dtype == weight.dtype:
+        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
+    if not plan.weight_in_grad_weight:  # grad_W is made from the sum at the end
+        return None, fills(weight.shape, dtype=sum_dtype, device=weight.device)
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    grad_sum = _buffer_in(grad_weight, *weight.shape, sum_dtype)
+    if fills is torch.zeros:
+        grad_sum.zero_()
+    return grad_weight, grad_sum
+
+
+def _weight_operand(
+    weight: torch.Tensor,
+    operand_dtype: torch.dtype,
+    gemm_dtype: torch.dtype,
+    grad_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """The weight as the GEMMs read it: rounded to the hidden states' dtype, as autocast rounds
+    both operands of an ``nn.Linear`` (a no-op when the dtypes match), in the GEMMs' dtype. With
+    ``grad_weight``, the copy is laid over its second half (``ChunkPlan.weight_in_grad_weight``)."""
+    rounded = weight if gemm_dtype == operand_dtype else weight.to(operand_dtype)
+    if grad_weight is None:
+        return rounded.to(gemm_dtype)
+    return _buffer_in(grad_weight, *weight.shape, gemm_dtype, at_end=True).copy_(rounded)
+
+
+def _widen_in_place(buffer: torch.Tensor, narrow: torch.dtype, max_temp_bytes: int) -> None:
+    """Turn ``buffer``, whose first half holds its ``numel()`` values in ``narrow`` (half its
+    element width), into those values in its own dtype.
+
+    Back to front: a block ``[a, b)`` moves from bytes ``[a, b)`` to ``[2a, 2b)`` (in units of
+    the narrow width), which overlaps neither its own source while ``b <= 2a`` nor the values
+    before it, still unread. The front block, where ``b > 2a``, goes through a copy of at most
+    ``max_temp_bytes``."""
+    n = buffer.numel()
+    wide = buffer.view(-1)
+    src = wide.view(narrow)[:n]
+    block = max(1, max_temp_bytes // (2 * narrow.itemsize))
+    stop = n
+    while stop > 0:
+        start = stop - block
+        if 2 * start < stop:
+            wide[:stop].copy_(src[:stop].clone())
+            return
+        wide[start:stop].copy_(src[start:stop])
+        stop = start
 
 
 def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -258,6 +321,7 @@ def _plan(
         weight_bytes=weight.element_size(),
         logit_bytes=logits_dtype.itemsize,
         gemm_fp32=_gemm_dtype(hidden) == torch.float32,
+        operand_bytes=hidden.element_size(),
         partial_bytes_per_row=fused.fused_logits.partial_bytes_per_row(weight.shape[0], opts) if fused else 0,
         grad_weight=grad_weight,
     )
@@ -304,7 +368,12 @@ def run_chunks(
     shapes the plan.
 
     On the token-chunk path grad_W sums one GEMM per chunk, each accumulating in fp32; across
-    chunks the sum is kept in fp32 or in the weight's own dtype, as the plan says.
+    chunks the sum is kept in fp32 or in the hidden states' dtype, as the plan says.
+
+    The GEMMs run in the hidden states' dtype (fp32 on the CPU). A wider weight (an fp32 one
+    under bf16 autocast, which casts only the hidden states) is rounded to it as autocast would
+    round it; the copy that takes lives in grad_W's bytes when the plan allows
+    (``ChunkPlan.weight_in_grad_weight``), so the op needs no memory for it.
 
     ``class_weight``, ``outputs`` (N,)-long per-row results to fill, and ``entropy_grad`` are the
     row kernel's records (``row_io``), passed on chunk by chunk.
@@ -337,7 +406,6 @@ def run_chunks(
         new = torch.zeros
     n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     gemm_dtype = _gemm_dtype(hidden)
-    w = weight.to(gemm_dtype)
     b = None if bias is None else bias.float().contiguous()  # the fused GEMM reads it by column
 
     res = ChunkResult(None, None, None, None, None)
@@ -348,11 +416,11 @@ def run_chunks(
         res.grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=device)
     if compute_grad and need_bias:
         res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    grad_sum = None  # where the token chunks sum grad_W, when not in res.grad_weight itself
     if grad_weight_here:
-        acc_dtype = torch.float32 if plan.grad_weight_fp32 else weight.dtype
-        # A weight-dtype sum's first chunk overwrites; an fp32 one is added into; pass B writes every block.
-        alloc = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
-        res.grad_weight = alloc(weight.shape, dtype=acc_dtype, device=device)
+        res.grad_weight, grad_sum = _grad_weight_buffers(plan, weight, hidden.dtype)
+    copy_home = res.grad_weight if plan.weight_in_grad_weight else None
+    w = _weight_operand(weight, hidden.dtype, gemm_dtype, copy_home)
 
     token_grads = compute_grad and (need_hidden or not plan.two_pass)
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
@@ -373,6 +441,7 @@ def run_chunks(
             lse_in,
             token_grads,
             rows,
+            grad_sum,
         )
     if plan.two_pass:
         lse = lse_in if lse_in is not None else res.lse
@@ -395,8 +464,11 @@ def run_chunks(
             rows,
         )
 
-    if res.grad_weight is not None:
-        res.grad_weight = res.grad_weight.to(weight.dtype)
+    del w  # the weight's copy: in grad_W's second half, which the widening below overwrites
+    if grad_sum is not None and plan.weight_in_grad_weight:
+        _widen_in_place(res.grad_weight, grad_sum.dtype, budget_bytes)
+    elif grad_sum is not None:
+        res.grad_weight = grad_sum.to(weight.dtype)
     if res.grad_bias is not None:
         res.grad_bias = res.grad_bias.to(bias.dtype)
     return res
@@ -418,13 +490,16 @@ def _token_pass(
     lse_in: torch.Tensor | None,
     token_grads: bool,
     rows: _RowRecords,
+    grad_sum: torch.Tensor | None,
 ) -> None:
-    """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h.
+    """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h,
+    summed in ``grad_sum`` when given, else in ``res.grad_weight``.
 
     On the two-pass path the chunks may live in grad_W's bytes (``plan.logits_in_grad_weight``),
-    free until pass B writes it."""
+    free until pass B writes it (its first half, when the weight's copy fills the second)."""
     n_rows, vocab = hidden.shape[0], w.shape[0]
     scratch = res.grad_weight if plan.logits_in_grad_weight else None
+    grad_weight = res.grad_weight if grad_sum is None else grad_sum
     for chunk in rows.chunks(n_rows, plan.rows):
         h = chunk.take(hidden).to(w.dtype)
         out = None if scratch is None else _buffer_in(scratch, h.shape[0], vocab, logits_dtype)
@@ -455,8 +530,8 @@ def _token_pass(
             else:
                 chunk.put(res.grad_hidden, g @ w)
         if not plan.two_pass:
-            if res.grad_weight is not None:
-                _accumulate_grad_weight(res.grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
+            if grad_weight is not None:
+                _accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
             if res.grad_bias is not None:
                 res.grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g

@@ -403,7 +403,7 @@ def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
     # respect to the inputs themselves would count the path through the other one twice.
     hidden, weight, bias = (None if t is None else t.view_as(t) for t in (hidden, weight, bias))
     inputs = [t for t, need in zip((hidden, weight, bias), ctx.needs, strict=True) if need]
-    logits = hidden.float() @ weight.float().t()
+    logits = hidden.float() @ weight.to(hidden.dtype).float().t()  # rounded as the forward's GEMMs
     if bias is not None:
         logits = logits + bias.float()
     labels = labels.long()

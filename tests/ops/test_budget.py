@@ -188,3 +188,45 @@ def test_token_chunks_stay_within_the_budget(n, h, v, budget_mib):
     used = plan.rows * row + (4 * shape.weight_numel if plan.grad_weight_fp32 else 0)
     assert used <= budget
     assert plan.rows >= 1
+
+
+def amp_shape(n, h, v, **changes):
+    """An fp32 weight under bf16 autocast on a GPU: bf16 hidden states and GEMMs, fp32 grad_W."""
+    return ChunkShape(**{**cuda_shape(n, h, v).__dict__, "weight_bytes": 4, "operand_bytes": 2, **changes})
+
+
+def test_autocast_weight_copy_lives_in_grad_weight():
+    """The bf16 copy of an fp32 weight takes grad_W's second half and the bf16 sum its first: the
+    chunks are those of a bf16 weight (nothing comes out of the budget for the copy)."""
+    bf16 = plan_chunks(cuda_shape(8192, 3584, 152064), 512 * MiB, DEFAULT)
+    amp = plan_chunks(amp_shape(8192, 3584, 152064), 512 * MiB, DEFAULT)
+    assert amp.weight_in_grad_weight and amp.overwrite_first and not amp.grad_weight_fp32
+    assert amp.rows == bf16.rows and not bf16.weight_in_grad_weight
+
+
+def test_autocast_fp32_sum_is_grad_weight_itself():
+    """A forced fp32 sum fills all of an fp32 grad_W: the copy goes elsewhere, and no fp32
+    accumulator beside grad_W is taken from the budget."""
+    tuning = Tuning(fp32_grad_weight=True)
+    amp = plan_chunks(amp_shape(8192, 3584, 152064), 512 * MiB, tuning)
+    half = plan_chunks(cuda_shape(8192, 3584, 152064), 512 * MiB + 4 * 3584 * 152064, tuning)
+    assert not amp.weight_in_grad_weight and amp.grad_weight_fp32
+    assert amp.rows == half.rows
+
+
+def test_autocast_two_pass_keeps_the_copy_clear():
+    """Two passes: pass A's chunks get grad_W's first half only, and pass B's blocks all use the
+    budget's buffer (the unwritten rows of grad_W hold the copy)."""
+    shape = amp_shape(8192, 2048, 128256)
+    plan = plan_chunks(shape, 32 * MiB, DEFAULT)
+    assert plan.two_pass and plan.weight_in_grad_weight and plan.logits_in_grad_weight
+    assert plan.rows * 128256 * 2 <= 128256 * 2048 * 2
+    assert not any(in_grad_weight for _, _, in_grad_weight in plan.vocab_blocks)
+    assert plan.vocab_blocks[-1][1] == 128256
+    assert all(b[0] == a[1] for a, b in zip(plan.vocab_blocks[:-1], plan.vocab_blocks[1:], strict=True))
+
+
+def test_autocast_copy_needs_an_aligned_start():
+    """V*H*2 bytes not a multiple of 16: the copy would not start on an aligned boundary."""
+    assert not plan_chunks(amp_shape(4096, 9, 1001), 512 * MiB, DEFAULT).weight_in_grad_weight
+    assert plan_chunks(amp_shape(4096, 8, 1001), 512 * MiB, DEFAULT).weight_in_grad_weight

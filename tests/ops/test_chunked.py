@@ -182,3 +182,108 @@ def test_default_skips_from_five_percent_ignored(gen, device, row_indexes, n_ign
     case.labels[torch.randperm(40, generator=gen)[:n_ignored].to(device)] = case.ignore_index
     check_parity(case, gen, tol=TOL[torch.float32], backend="torch")
     assert (row_indexes[0] is not None) == skips
+
+
+# ---------------------------------------------------------------- the weight's copy in grad_W's bytes
+
+
+@pytest.fixture
+def widenings(monkeypatch):
+    """The dtype each ``_widen_in_place`` call widened from (the layout was taken)."""
+    return record_calls(monkeypatch, chunked, "_widen_in_place", lambda args, kwargs, out: args[1])
+
+
+def _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_bytes):
+    coef = (labels != -100).float() * 0.37
+    res = chunked.run_chunks(
+        pick(backend, device),
+        hidden,
+        weight,
+        bias,
+        labels,
+        opts,
+        budget_bytes=budget_bytes,
+        coef_ce=coef,
+        coef_z=coef * 1.5,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=bias is not None,
+    )
+    return [res.ce, res.lse, res.grad_hidden, res.grad_weight, res.grad_bias]
+
+
+@pytest.mark.parametrize(
+    "tuning, budget_bytes",
+    [
+        (Tuning(chunk_rows=5), 1 << 30),  # one pass, 7 chunks, the widening in one step
+        (Tuning(chunk_rows=5), 96),  # ... and in many blocks, the front one through a copy
+        (Tuning(chunk_rows=5, two_pass=True), 64 * 37 * 4),  # pass A in grad_W's first half
+        (Tuning(chunk_rows=5, fp32_grad_weight=False), 1 << 30),  # summed in the hidden's dtype
+    ],
+    ids=["one_pass", "one_pass_small_widening", "two_pass", "hidden_dtype_sum"],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wider_weight_copy_in_grad_weight_is_exact(
+    gen, device, widenings, backend, layout, tuning, budget_bytes
+):
+    """A weight twice as wide as the GEMMs (fp64 beside fp32 GEMMs here; an fp32 weight under bf16
+    autocast on a GPU) has its rounded copy laid over grad_W's second half and grad_W's sum over
+    the first, widened in place at the end. Every result must equal, bit for bit, the run on the
+    weight rounded beforehand, whose grad_W is the same fp32 sum."""
+    n, h, v = 33, 8, 37  # V*H*4 bytes is a multiple of 16: the copy starts on an aligned boundary
+    hidden = torch.randn(n, h, generator=gen).to(device)
+    if layout == "transposed":
+        weight = torch.randn(h, v, generator=gen, dtype=torch.float64).to(device).t()
+    elif layout == "strided":
+        weight = torch.randn(v, 2 * h, generator=gen, dtype=torch.float64).to(device)[:, ::2]
+    else:
+        weight = torch.randn(v, h, generator=gen, dtype=torch.float64).to(device)
+    bias = torch.randn(v, generator=gen).to(device)
+    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    labels[torch.tensor([0, 7, 8, 32])] = -100
+    opts = LossOptions(tuning=tuning)
+    wide = _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_bytes)
+    assert widenings == ([] if tuning.two_pass else [torch.float32])
+    # the copy is contiguous whatever the weight's layout; so is this one (cuBLAS's results may
+    # depend on the operand layout)
+    rounded_weight = weight.float().contiguous()
+    rounded = _run_all_grads(backend, device, hidden, rounded_weight, bias, labels, opts, budget_bytes)
+    assert wide[3].dtype == torch.float64 and wide[3].is_contiguous()
+    for name, a, b in zip(["ce", "lse", "grad_h", "grad_W"], wide[:4], rounded[:4], strict=True):
+        assert torch.equal(a, b.to(a.dtype)), name
+    # pass B's blocks differ (the copy leaves no room in grad_W for wide ones): grad_b's column
+    # sums are reduced over other widths, in another order
+    torch.testing.assert_close(wide[4], rounded[4], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_copy_outside_grad_weight_when_unaligned(gen, device, widenings, backend):
+    """V*H*4 bytes not a multiple of 16 (H=9): the copy cannot start on an aligned boundary in
+    grad_W, so it is a tensor of its own, and the results are the same."""
+    n, h, v = 20, 9, 37
+    hidden = torch.randn(n, h, generator=gen).to(device)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64).to(device)
+    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    opts = LossOptions(tuning=Tuning(chunk_rows=6))
+    wide = _run_all_grads(backend, device, hidden, weight, None, labels, opts, 1 << 30)
+    rounded = _run_all_grads(backend, device, hidden, weight.float(), None, labels, opts, 1 << 30)
+    assert widenings == []
+    for a, b in zip(wide[:4], rounded[:4], strict=True):
+        assert torch.equal(a, b.to(a.dtype))
+
+
+@pytest.mark.parametrize(
+    "narrow, wide", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)], ids=str
+)
+@pytest.mark.parametrize(
+    "n, temp_bytes", [(1, 1), (2, 1), (7, 4), (100, 8), (100, 64), (1000, 1 << 20), (4097, 100)]
+)
+def test_widen_in_place(gen, n, temp_bytes, narrow, wide):
+    """Every value lands in place, whatever the block size the temporary allows (down to one
+    element: then every block but the front one is a single value)."""
+    values = torch.randn(n, generator=gen).to(narrow)
+    buffer = torch.full((n,), float("nan"), dtype=wide)
+    buffer.view(narrow)[:n] = values
+    chunked._widen_in_place(buffer, narrow, temp_bytes)
+    assert torch.equal(buffer, values.to(wide))

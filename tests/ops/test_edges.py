@@ -381,3 +381,40 @@ def test_autocast_casts_like_linear(gen, device, backend, mixed):
             f"{name}.grad dtype {t.grad.dtype} != {t.dtype}"
         )
         assert_close(f"grad {name}", t.grad, rg, tol)
+
+
+@pytest.mark.parametrize("grads", ["all", "hidden_only", "second_backward", "create_graph"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_rounds_the_weight_like_linear(gen, device, chunk_rows, backend, grads):
+    """The fp32 weight reaches the op uncast (its GEMM copy is made inside, in grad_W's bytes on a
+    GPU), yet the GEMMs must see it rounded to bf16 as ``nn.Linear`` under autocast does. With
+    fp32 logits the only rounding left is the operands', so the fp64 reference on bf16-rounded
+    inputs must agree to fp32 accuracy (an unrounded weight is off by ~1e-3); also when only
+    hidden wants a gradient (no grad_W to hold the copy), and in a second backward over a
+    retained graph (the recompute path, which reads the saved fp32 weight) and with
+    ``create_graph=True`` (the dense differentiable path)."""
+    H, V = 16, 97  # V*H*4 bytes a multiple of 16: the copy fits grad_W's second half on a GPU
+    hidden = torch.randn(3, 11, H, generator=gen).to(device).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) * 0.5).to(device).requires_grad_(grads != "hidden_only")
+    labels = torch.randint(0, V, (3, 11), generator=gen).to(device)
+    labels[0, :4] = -100
+    opts = dict(backend=backend, logits_dtype=torch.float32, z_loss_scale=1e-2, **chunk_rows(8, V))
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        loss = call_raw(hidden, weight, labels, reduction="none", **opts)  # per row: the sharpest check
+    up = torch.randn(loss.shape, generator=gen).to(device)
+    leaves = [hidden] + ([weight] if weight.requires_grad else [])
+    got = torch.autograd.grad(
+        loss, leaves, up, retain_graph=grads == "second_backward", create_graph=grads == "create_graph"
+    )
+    if grads == "second_backward":
+        got = torch.autograd.grad(loss, leaves, up)
+
+    hr = hidden.detach().cpu().bfloat16().double().requires_grad_()
+    wr = weight.detach().cpu().bfloat16().double().requires_grad_()
+    ref, _ = reference_flce(hr, wr, labels.cpu(), z_loss_scale=1e-2, reduction="none")
+    assert_close("loss", loss, ref, FP32)
+    want = torch.autograd.grad(ref, [hr, wr][: len(leaves)], up.cpu().double())
+    for name, g, w in zip(["grad hidden", "grad weight"], got, want, strict=False):
+        assert g.dtype == torch.float32
+        # grad_h and grad_W are rounded to bf16 once (the GEMMs' dtype), as under nn.Linear
+        assert_close(name, g, w, TOL[torch.bfloat16])

@@ -125,3 +125,39 @@ def test_working_memory_stays_in_budget(budget_mib, shape, grads):
     grads_bytes = hidden.numel() * 2 + (weight.numel() * 2 if grads == "all" else 0)
     extra = torch.cuda.max_memory_allocated() - base - grads_bytes
     assert extra <= budget_mib * MiB, f"{extra / MiB:.2f} MiB extra with a {budget_mib} MiB budget"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("budget_mib", [4, 64, 512])
+@pytest.mark.parametrize("grads", ["all", "hidden"])
+def test_working_memory_stays_in_budget_under_autocast(budget_mib, grads):
+    """An fp32 weight and hidden under bf16 autocast (the HF Trainer's ``bf16=True``): the GEMMs'
+    bf16 copy of the weight lives in grad_W's bytes, so beyond the inputs and their fp32
+    gradients the op holds its budget plus what ``nn.Linear`` under autocast would too (the bf16
+    copy of the hidden states, saved for the backward) and, with no grad_W to hold it, the bf16
+    copy of the weight (96 MiB here, also what ``nn.Linear`` makes). 4 MiB runs the two-pass path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, h, v = 4096, 1536, 32768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) / h**0.5).requires_grad_(grads == "all")
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    from liger_patch import fused_linear_cross_entropy
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(hidden, weight, labels, memory_budget=f"{budget_mib}MiB")
+        loss.backward()
+
+    step()
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    grads_bytes = hidden.numel() * 4 + (weight.numel() * 4 if grads == "all" else 0)
+    allowed = budget_mib * MiB + hidden.numel() * 2 + (0 if grads == "all" else weight.numel() * 2)
+    extra = torch.cuda.max_memory_allocated() - base - grads_bytes
+    assert extra <= allowed, f"{extra / MiB:.2f} MiB extra, {allowed / MiB:.2f} allowed"
