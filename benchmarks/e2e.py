@@ -1,4 +1,5 @@
-"""End to end: one AdamW step of a random-init model in bf16 (sdpa), unpatched vs patched.
+"""End to end: one AdamW step of a random-init model in bf16 (sdpa), unpatched vs patched; one
+row keeps fp32 parameters and runs the forward under ``torch.autocast(bf16)`` (AMP).
 
 Each (model, tokens, variant) runs in its own process so that patches and allocator state do
 not leak between variants. Rows: Llama-3.2-1B and Qwen2.5-0.5B shapes, and a Qwen2.5-7B shape
@@ -26,11 +27,14 @@ import sys
 
 from common import LLAMA_3_2_1B, QWEN2_5_05B, QWEN2_5_7B, GiB, PeakMemory, environment, write_json
 
-ROWS = {  # row: (family, config, batch, sequence length, gradient checkpointing)
-    "llama1b_8x2048": ("llama", LLAMA_3_2_1B, 8, 2048, False),
-    "llama1b_16x2048": ("llama", LLAMA_3_2_1B, 16, 2048, False),
-    "qwen05b_16x2048": ("qwen2", QWEN2_5_05B, 16, 2048, False),
-    "qwen7b_8x2048_gc": ("qwen2", QWEN2_5_7B, 8, 2048, True),
+ROWS = {  # row: (family, config, batch, sequence length, gradient checkpointing, AMP)
+    "llama1b_8x2048": ("llama", LLAMA_3_2_1B, 8, 2048, False, False),
+    "llama1b_16x2048": ("llama", LLAMA_3_2_1B, 16, 2048, False, False),
+    "qwen05b_16x2048": ("qwen2", QWEN2_5_05B, 16, 2048, False, False),
+    "qwen7b_8x2048_gc": ("qwen2", QWEN2_5_7B, 8, 2048, True, False),
+    # fp32 parameters, forward under torch.autocast(bf16): the HF Trainer's bf16=True on an fp32 model
+    "llama1b_amp_8x2048": ("llama", LLAMA_3_2_1B, 8, 2048, False, True),
+    "qwen05b_amp_8x2048": ("qwen2", QWEN2_5_05B, 8, 2048, False, True),
 }
 VARIANTS = ("unpatched", "liger_kernel", "liger_patch", "liger_patch_lean")
 
@@ -46,7 +50,7 @@ def build(row: str, variant: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    family, config_dict, batch, seq, checkpointing = ROWS[row]
+    family, config_dict, batch, seq, checkpointing, amp = ROWS[row]
     if variant == "liger_kernel":
         from liger_kernel import transformers as lk
 
@@ -55,7 +59,8 @@ def build(row: str, variant: str):
     torch.manual_seed(0)
     config = make_config(family, config_dict)
     with torch.device("cuda"):  # initialise on the GPU: CPU init of 1B parameters takes longer than the run
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        dtype = torch.float32 if amp else torch.bfloat16
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     if variant.startswith("liger_patch"):
         import liger_patch
 
@@ -73,9 +78,11 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
     import torch
 
     model, opt, ids = build(row, variant)
+    amp = ROWS[row][5]
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
