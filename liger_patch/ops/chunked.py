@@ -261,26 +261,24 @@ def _weight_operand(
     return _buffer_in(grad_weight, *weight.shape, gemm_dtype, at_end=True).copy_(rounded)
 
 
-def _widen_in_place(buffer: torch.Tensor, narrow: torch.dtype, max_temp_bytes: int) -> None:
+def _widen_in_place(buffer: torch.Tensor, narrow: torch.dtype) -> None:
     """Turn ``buffer``, whose first half holds its ``numel()`` values in ``narrow`` (half its
     element width), into those values in its own dtype.
 
-    Back to front: a block ``[a, b)`` moves from bytes ``[a, b)`` to ``[2a, 2b)`` (in units of
-    the narrow width), which overlaps neither its own source while ``b <= 2a`` nor the values
-    before it, still unread. The front block, where ``b > 2a``, goes through a copy of at most
-    ``max_temp_bytes``."""
+    Back to front, halving: the block ``[a, b)`` with ``a = ceil(b / 2)`` moves from bytes
+    ``[a, b)`` to ``[2a, 2b)`` (in units of the narrow width), which overlaps neither its own
+    source (``b <= 2a``) nor the values before it, still unread. About log2(n) copies and no
+    temporary but the first value's."""
     n = buffer.numel()
     wide = buffer.view(-1)
     src = wide.view(narrow)[:n]
-    block = max(1, max_temp_bytes // (2 * narrow.itemsize))
     stop = n
-    while stop > 0:
-        start = stop - block
-        if 2 * start < stop:
-            wide[:stop].copy_(src[:stop].clone())
-            return
+    while stop > 1:
+        start = (stop + 1) // 2
         wide[start:stop].copy_(src[start:stop])
         stop = start
+    if stop == 1:
+        wide[:1].copy_(src[:1].clone())
 
 
 def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -466,7 +464,7 @@ def run_chunks(
 
     del w  # the weight's copy: in grad_W's second half, which the widening below overwrites
     if grad_sum is not None and plan.weight_in_grad_weight:
-        _widen_in_place(res.grad_weight, grad_sum.dtype, budget_bytes)
+        _widen_in_place(res.grad_weight, grad_sum.dtype)
     elif grad_sum is not None:
         res.grad_weight = grad_sum.to(weight.dtype)
     if res.grad_bias is not None:
