@@ -231,3 +231,46 @@ def worst_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def training_steps(model, vocab: int, seed: int, device: torch.device, args) -> dict:
+    """``args.mem_steps`` AdamW steps of an already patched / sharded ``model`` on ``batch_for``
+    batches (``seed`` tells data-parallel replicas apart): the losses, the median step time
+    (the first step left out), whether the fused path ran, and on CUDA the memory before the
+    steps, the peak allocated and reserved during them, and every rank's peak."""
+    import contextlib
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, losses = [], []
+    with PeakMemory() if device.type == "cuda" else contextlib.nullcontext() as mem:
+        for step in range(args.mem_steps):
+            batch = batch_for(step, seed, vocab, args.batch, args.seq, device)
+            start = time.perf_counter()
+            out = model(**batch)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(out.loss.detach().float().item())
+    result = {
+        "losses": losses,
+        "median_step_s": statistics.median(times[1:] or times),
+        "fused_path_ran": out.logits is None,
+    }
+    if device.type == "cuda":
+        peak = torch.tensor([mem.peak / GiB], device=device)
+        peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+        dist.all_gather(peaks, peak)
+        result.update(
+            allocated_before_steps_gib=mem.start / GiB,
+            peak_allocated_gib=mem.peak / GiB,
+            peak_reserved_gib=mem.peak_reserved / GiB,
+            peak_allocated_gib_per_rank=[p.item() for p in peaks],
+        )
+    return result

@@ -30,9 +30,7 @@ import datetime
 import gc
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -48,11 +46,11 @@ from common import (  # noqa: E402
     GRAD_TOL,
     LLAMA_3_2_1B,
     LOSS_TOL,
-    PeakMemory,
     batch_for,
     full,
     log,
     max_abs_diff,
+    training_steps,
     worst_relative_error,
     write_json,
 )
@@ -183,38 +181,9 @@ def memory_run(shape: dict, patched: bool, checkpointing: bool, device: torch.de
         lp.apply_liger_to(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shard_fsdp2(model, head_unit=False, mp=mp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    times, losses = [], []
-    with PeakMemory() if device.type == "cuda" else contextlib.nullcontext() as mem:
-        for step in range(args.mem_steps):
-            batch = batch_for(step, dist.get_rank(), shape["vocab_size"], args.batch, args.seq, device)
-            start = time.perf_counter()
-            out = model(**batch)
-            out.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(out.loss.detach().float().item())
-    result = {
-        "patched": patched,
-        "activation_checkpointing": checkpointing,
-        "losses": losses,
-        "median_step_s": statistics.median(times[1:] or times),
-        "fused_path_ran": out.logits is None,
-    }
-    if device.type == "cuda":
-        result.update(
-            allocated_before_steps_gib=mem.start / 2**30,
-            peak_allocated_gib=mem.peak / 2**30,
-            peak_reserved_gib=mem.peak_reserved / 2**30,
-        )
-        peaks = torch.tensor([result["peak_allocated_gib"]], device=device)
-        gathered = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, peaks)
-        result["peak_allocated_gib_per_rank"] = [g.item() for g in gathered]
-    del model, optimizer, out
+    result = {"patched": patched, "activation_checkpointing": checkpointing}
+    result.update(training_steps(model, shape["vocab_size"], dist.get_rank(), device, args))
+    del model
     return result
 
 

@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     full,
     log,
     max_abs_diff,
+    training_steps,
     worst_relative_error,
     write_json,
 )
@@ -183,43 +184,10 @@ def memory_run(path: Path, patched: bool, checkpointing: bool, device: torch.dev
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if patched:
         lp.apply_liger_to(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    times, losses = [], []
-    with PeakMemory() if device.type == "cuda" else contextlib.nullcontext() as mem:
-        for step in range(args.mem_steps):
-            batch = batch_for(step, replica(args), shape["vocab_size"], args.batch, args.seq, device)
-            start = time.perf_counter()
-            out = model(**batch)
-            out.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(out.loss.detach().float().item())
-    result = {
-        "patched": patched,
-        "activation_checkpointing": checkpointing,
-        "losses": losses,
-        "median_step_s": statistics.median(times[1:] or times),
-        "fused_path_ran": out.logits is None,
-    }
-    if device.type == "cuda":
-        result.update(
-            allocated_before_steps_gib=mem.start / 2**30,
-            peak_allocated_gib=mem.peak / 2**30,
-            peak_reserved_gib=mem.peak_reserved / 2**30,
-        )
-        result["peak_allocated_gib_per_rank"] = gather_floats(result["peak_allocated_gib"], device)
-    del model, optimizer, out
+    result = {"patched": patched, "activation_checkpointing": checkpointing}
+    result.update(training_steps(model, shape["vocab_size"], replica(args), device, args))
+    del model
     return result
-
-
-def gather_floats(value: float, device: torch.device) -> list[float]:
-    mine = torch.tensor([value], device=device)
-    found = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(found, mine)
-    return [f.item() for f in found]
 
 
 def memory(device: torch.device, args) -> list[dict]:
