@@ -94,6 +94,28 @@ def test_kept_rows_outputs_equal_every_row_outputs(gen, device, row_indexes, bac
         torch.testing.assert_close(skipped, every, rtol=1e-5, atol=1e-6)
 
 
+def _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_bytes, **extra):
+    """``run_chunks`` with every gradient (``extra``: its other keywords): ce, lse, grad_h,
+    grad_W, grad_b."""
+    coef = (labels != -100).float() * 0.37
+    res = chunked.run_chunks(
+        pick(backend, device),
+        hidden,
+        weight,
+        bias,
+        labels,
+        opts,
+        budget_bytes=budget_bytes,
+        coef_ce=coef,
+        coef_z=coef * 1.5,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=bias is not None,
+        **extra,
+    )
+    return [res.ce, res.lse, res.grad_hidden, res.grad_weight, res.grad_bias]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_skipped_rows_read_as_ignored_rows(gen, device, backend):
     """run_chunks with the kept rows' index equals run_chunks over every row, output by output,
@@ -110,30 +132,16 @@ def test_skipped_rows_read_as_ignored_rows(gen, device, backend):
         return_entropy=True,
         tuning=Tuning(chunk_rows=6, fp32_grad_weight=False),
     )
-    coef = keep.float() * 0.37
 
     def run(row_index):
         outputs = RowOutputs(
             argmax=torch.full((n,), 7, dtype=torch.int64, device=device),  # garbage to overwrite
             entropy=torch.full((n,), 5.0, device=device),
         )
-        res = chunked.run_chunks(
-            pick(backend, device),
-            hidden,
-            weight,
-            bias,
-            labels,
-            opts,
-            budget_bytes=1 << 30,
-            coef_ce=coef,
-            coef_z=coef,
-            need_hidden=True,
-            need_weight=True,
-            need_bias=True,
-            outputs=outputs,
-            row_index=row_index,
+        grads = _run_all_grads(
+            backend, device, hidden, weight, bias, labels, opts, 1 << 30, outputs=outputs, row_index=row_index
         )
-        return [res.ce, res.lse, res.grad_hidden, res.grad_weight, res.grad_bias, *outputs.tensors()[:2]]
+        return [*grads, *outputs.tensors()[:2]]
 
     every_row = run(None)
     kept_rows = run(keep.nonzero().view(-1))
@@ -191,25 +199,6 @@ def test_default_skips_from_five_percent_ignored(gen, device, row_indexes, n_ign
 def widenings(monkeypatch):
     """The dtype each ``_widen_in_place`` call widened from (the layout was taken)."""
     return record_calls(monkeypatch, chunked, "_widen_in_place", lambda args, kwargs, out: args[1])
-
-
-def _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_bytes):
-    coef = (labels != -100).float() * 0.37
-    res = chunked.run_chunks(
-        pick(backend, device),
-        hidden,
-        weight,
-        bias,
-        labels,
-        opts,
-        budget_bytes=budget_bytes,
-        coef_ce=coef,
-        coef_z=coef * 1.5,
-        need_hidden=True,
-        need_weight=True,
-        need_bias=bias is not None,
-    )
-    return [res.ce, res.lse, res.grad_hidden, res.grad_weight, res.grad_bias]
 
 
 @pytest.mark.parametrize(
