@@ -110,7 +110,9 @@ class _RowRecords:
                     t.fill_(-1 if t is self.outputs.argmax else 0)
 
 
-def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
+def gemm_dtype_for(t: torch.Tensor) -> torch.dtype:
+    """The GEMMs' operand dtype for inputs like ``t``: its own on CUDA (tensor cores), fp32 on the
+    CPU, where half-precision matmuls are slow and less exact."""
     return t.dtype if t.is_cuda else torch.float32
 
 
@@ -136,7 +138,7 @@ def _bias_as_added(
     return bias.to(dtype) if gemm_dtype == dtype else bias
 
 
-def _logits(
+def gemm_logits(
     h: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
@@ -178,13 +180,13 @@ def _chunk_logits(
     backend: Backend | None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """A token chunk's logits and, where ``backend``'s fused logits GEMM supports the chunk, the
-    log-sum-exp partials it leaves for the row kernel; else ``_logits`` and ``None``."""
+    log-sum-exp partials it leaves for the row kernel; else ``gemm_logits`` and ``None``."""
     fused = backend.fused_logits if backend is not None else None
     if fused is not None and fused.supported(h, w, dtype, opts.tuning):
         if out is None:
             out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
         return out, fused.logits_with_partials(h, w, _bias_as_added(b, h.dtype, dtype), opts, out)
-    return _logits(h, w, b, dtype, out=out), None
+    return gemm_logits(h, w, b, dtype, out=out), None
 
 
 def _buffer_in(
@@ -318,7 +320,7 @@ def _plan(
         weight_numel=weight.numel(),
         weight_bytes=weight.element_size(),
         logit_bytes=logits_dtype.itemsize,
-        gemm_fp32=_gemm_dtype(hidden) == torch.float32,
+        gemm_fp32=gemm_dtype_for(hidden) == torch.float32,
         operand_bytes=hidden.element_size(),
         partial_bytes_per_row=fused.fused_logits.partial_bytes_per_row(weight.shape[0], opts) if fused else 0,
         grad_weight=grad_weight,
@@ -327,7 +329,7 @@ def _plan(
         gathered = dataclasses.replace(
             shape,
             n_rows=row_index.shape[0],
-            gather_bytes_per_row=2 * hidden.shape[1] * _gemm_dtype(hidden).itemsize,
+            gather_bytes_per_row=2 * hidden.shape[1] * gemm_dtype_for(hidden).itemsize,
         )
         plan = plan_chunks(gathered, budget_bytes, opts.tuning)
         if not plan.two_pass:
@@ -403,7 +405,7 @@ def run_chunks(
         rows.fill_skipped()
         new = torch.zeros
     n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
-    gemm_dtype = _gemm_dtype(hidden)
+    gemm_dtype = gemm_dtype_for(hidden)
     b = None if bias is None else bias.float().contiguous()  # the fused GEMM reads it by column
 
     res = ChunkResult(None, None, None, None, None)
@@ -567,7 +569,7 @@ def _vocab_pass(
             if buf is None:
                 buf = torch.empty(n_rows * (v1 - v0), dtype=logits_dtype, device=h.device)
             out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
-        logits = _logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
+        logits = gemm_logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
         g = _grad_view(logits, h.dtype)
         backend.row_kernel(
             logits,

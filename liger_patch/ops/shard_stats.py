@@ -29,6 +29,7 @@ import torch
 
 from liger_patch.ops import budget
 from liger_patch.ops.backends import Backend
+from liger_patch.ops.chunked import gemm_dtype_for, gemm_logits
 from liger_patch.ops.options import LossOptions, build_options
 from liger_patch.ops.row_io import ClassWeight, RowOutputs
 from liger_patch.ops.torch_ce import final_logits
@@ -46,34 +47,6 @@ def stat_names(opts: LossOptions) -> tuple[str, ...]:
     if opts.return_entropy:
         names.append("entropy")
     return tuple(names)
-
-
-def gemm_dtype(t: torch.Tensor) -> torch.dtype:
-    """The GEMMs' operand dtype: the input's on CUDA (tensor cores), fp32 on the CPU (as ``chunked``)."""
-    return t.dtype if t.is_cuda else _F32
-
-
-def _mm_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``h @ w.T`` as fp32, accumulated in fp32 (half inputs: ``out_dtype`` where torch has it)."""
-    if h.dtype == _F32:
-        return h @ w.t()
-    try:
-        return torch.mm(h, w.t(), out_dtype=_F32)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return h.float() @ w.float().t()
-
-
-def shard_logits(
-    h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """``h w^T + b`` accumulated in fp32 and stored in ``dtype``, rounded once, as the unsharded
-    op stores a chunk (``dtype`` is ``logits_dtype``, by default the input's dtype)."""
-    if h.dtype == dtype:
-        return h @ w.t() if bias is None else torch.addmm(bias.to(dtype), h, w.t())
-    logits = _mm_fp32(h, w)
-    if bias is not None:
-        logits += bias.float()
-    return logits.to(dtype)
 
 
 def _final(x: torch.Tensor, opts: LossOptions) -> torch.Tensor:
@@ -172,12 +145,12 @@ def shard_stats(
     rows = budget.chunk_rows(
         vocab_r, budget.working_bytes(opts.memory_budget, n), logits_dtype.itemsize, opts.tuning
     )
-    w = weight.to(gemm_dtype(hidden))
+    w = weight.to(gemm_dtype_for(hidden))
     b = None if bias is None else bias.float()
     w_cols = None if class_weight is None else class_weight.weight[offset : offset + vocab_r]
     for start in range(0, n, rows):
         stop = min(start + rows, n)
-        logits = shard_logits(hidden[start:stop].to(w.dtype), w, b, logits_dtype)
+        logits = gemm_logits(hidden[start:stop].to(w.dtype), w, b, logits_dtype)
         out = {
             name: torch.empty(
                 stop - start, dtype=torch.int64 if name == "argmax" else _F32, device=hidden.device
