@@ -132,9 +132,14 @@ class ChunkShape:
     # weight to (narrower than the weight under autocast: an fp32 weight, bf16 GEMMs); 0: weight_bytes
 
     @property
+    def hidden_bytes(self) -> int:
+        """Bytes per element of the hidden states (``operand_bytes``, else the weight's)."""
+        return self.operand_bytes or self.weight_bytes
+
+    @property
     def gemm_bytes(self) -> int:
         """Bytes per element of the GEMMs' copy of the weight (fp32 on the CPU)."""
-        return 4 if self.gemm_fp32 else self.operand_bytes or self.weight_bytes
+        return 4 if self.gemm_fp32 else self.hidden_bytes
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,7 @@ def plan_chunks(shape: ChunkShape, budget_bytes: int, tuning: Tuning) -> ChunkPl
     if fp32 and not shape.gemm_fp32 and shape.weight_bytes != 4:  # an fp32 sum beside grad_W
         rest = budget_bytes - 4 * shape.weight_numel
         rows = max(1, _rows_within(shape, rest, tuning) if rest > 0 else 0)
-    sum_bytes = 4 if fp32 else shape.operand_bytes or shape.weight_bytes
+    sum_bytes = 4 if fp32 else shape.hidden_bytes
     return ChunkPlan(
         rows=rows,
         grad_weight_fp32=fp32,
