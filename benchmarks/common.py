@@ -135,7 +135,12 @@ def time_floor(hidden, weight, rep_ms: int) -> float:
 class PeakMemory:
     """CUDA memory over a ``with`` block: ``start`` (allocated on entry), ``peak`` and
     ``peak_reserved`` (the allocator's maxima inside the block), in bytes. Synchronises on
-    entry and exit; empties no cache (callers that want that do it before)."""
+    entry and exit; empties no cache (callers that want that do it before).
+
+    ``peak_requested`` is the peak of the bytes the tensors asked for: ``peak`` counts whole
+    allocator blocks, and a cached block reused without being split (its spare under 1 MiB)
+    counts in full, so two runs holding the same tensors can differ there by up to 1 MiB
+    per reused block."""
 
     def __enter__(self) -> PeakMemory:
         torch.cuda.synchronize()
@@ -146,6 +151,7 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         torch.cuda.synchronize()
         self.peak = torch.cuda.max_memory_allocated()
+        self.peak_requested = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
         self.peak_reserved = torch.cuda.max_memory_reserved()
         self.end = torch.cuda.memory_allocated()
 

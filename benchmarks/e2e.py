@@ -106,6 +106,7 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
         "ms": statistics.median(times),
         "ms_all": times,
         "peak_gib": mem.peak / GiB,
+        "peak_requested_gib": mem.peak_requested / GiB,
         "first_loss": first_loss,
     }
 

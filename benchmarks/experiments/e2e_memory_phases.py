@@ -38,8 +38,10 @@ def main(row: str, variant: str, steps: int = 3) -> None:
                     step=step,
                     start=fwd.start / GiB,
                     peak_fwd=fwd.peak / GiB,
+                    peak_fwd_requested=fwd.peak_requested / GiB,
                     after_fwd=fwd.end / GiB,
                     peak_bwd=bwd.peak / GiB,
+                    peak_bwd_requested=bwd.peak_requested / GiB,
                     after_bwd=bwd.end / GiB,
                     peak_opt=upd.peak / GiB,
                 )

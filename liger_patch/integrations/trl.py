@@ -107,6 +107,7 @@ def fused_log_prob_fields(
         return_entropy="entropy" in outputs,
         return_predicted_tokens=want_top1,
         **math_options,
+        **state.budget_changes(),
     )
     options = build_options(state.options.key, **constant_changes(changes))
     result = fused_loss(hidden, weight, targets, bias, options=options)

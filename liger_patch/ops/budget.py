@@ -5,7 +5,8 @@ one ``tokens x cols`` vocabulary block). How many rows a chunk gets follows from
 memory budget; this module turns a budget into that plan, and ``chunked.run_chunks`` executes it.
 
 The budget a call uses (``resolve_budget``) is its ``memory_budget`` option, else the
-``LIGER_MEMORY_BUDGET`` environment variable (read on every call), else ``"default"``. It covers
+``LIGER_MEMORY_BUDGET`` environment variable (read on every call), else ``"default"``; a patched
+model's forward passes ``"batch"`` when neither names one (``batch_budget``). It covers
 everything the op allocates beyond its inputs, outputs and gradients: the chunk buffers, about
 ``PER_TOKEN_BYTES`` per token of per-token vectors and ``SLACK_BYTES``; ``working_bytes`` is what
 is left for the chunk buffers.
@@ -26,6 +27,10 @@ gradients. ``default`` gives token chunks large enough for cuBLAS to run near it
 is cut-cross-entropy's memory class (docs/loss.md has the measured speed of each)."""
 DEFAULT_MEMORY_BUDGET = "default"
 """The budget of a call that passes none while ``LIGER_MEMORY_BUDGET`` is unset: 512 MiB."""
+BATCH_BUDGET = "batch"
+"""The named budget sized by the call's hidden states (:func:`batch_budget`)."""
+BATCH_FACTOR = 6
+BATCH_RANGE = (256 * MiB, 1024 * MiB)
 
 PER_TOKEN_BYTES = 40
 """Per-token vectors the op keeps beside its chunks (labels, masks, row weights, loss terms, the
@@ -37,44 +42,64 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MiB, "gib": 1 << 30, "kb": 10**3
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 
-def parse_memory_budget(value: int | str) -> int:
+def batch_budget(hidden_bytes: int | None) -> int:
+    """The ``"batch"`` budget of a call whose hidden states take ``hidden_bytes``: six times
+    that, within 256 MiB to 1 GiB (1 GiB, its most, when the size is not known).
+
+    In a training step the loss head runs while the decoder's activations are held, and the
+    decoder's backward later peaks at about eight times the hidden states' bytes above the live
+    set the forward leaves (Llama-1B at 16k tokens, Qwen2.5-0.5B at 32k; docs/perf-notes.md item
+    30). The head holds the hidden states themselves beside its working memory, so six times
+    keeps it under that peak, where a fixed 512 MiB set the step's peak in both; and a large
+    batch gets larger chunks, which are faster, at no cost to the step's peak. The floor keeps
+    small batches out of small chunks, which cost more time than their memory saves."""
+    low, high = BATCH_RANGE
+    if hidden_bytes is None:
+        return high
+    return min(high, max(low, BATCH_FACTOR * hidden_bytes))
+
+
+def parse_memory_budget(value: int | str, hidden_bytes: int | None = None) -> int:
     """Bytes for a memory budget given as a positive int (bytes), a name in ``MEMORY_BUDGETS``,
-    or a size string such as ``"256MiB"``, ``"1GiB"``, ``"64MB"``."""
+    ``"batch"`` (:func:`batch_budget` of ``hidden_bytes``), or a size string such as
+    ``"256MiB"``, ``"1GiB"``, ``"64MB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"memory_budget must be an int number of bytes or a string, got {value!r}")
     if isinstance(value, int):
         nbytes = value
     elif value.strip().lower() in MEMORY_BUDGETS:
         return MEMORY_BUDGETS[value.strip().lower()]
+    elif value.strip().lower() == BATCH_BUDGET:
+        return batch_budget(hidden_bytes)
     else:
         match = _SIZE.match(value.lower())
         if match is None or match.group(2) not in _UNITS:
-            raise ValueError(
-                f"memory_budget {value!r} is not one of {sorted(MEMORY_BUDGETS)} or a size such as '256MiB'"
-            )
+            names = sorted([*MEMORY_BUDGETS, BATCH_BUDGET])
+            raise ValueError(f"memory_budget {value!r} is not one of {names} or a size such as '256MiB'")
         nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
     if nbytes <= 0:
         raise ValueError(f"memory_budget must be positive, got {value!r}")
     return nbytes
 
 
-def resolve_budget(memory_budget: int | str | None) -> int:
-    """Bytes of a call's budget: its option, else ``LIGER_MEMORY_BUDGET`` (read now), else the default."""
+def resolve_budget(memory_budget: int | str | None, hidden_bytes: int | None = None) -> int:
+    """Bytes of a call's budget: its option, else ``LIGER_MEMORY_BUDGET`` (read now), else the
+    default; ``hidden_bytes`` (the call's hidden states) sizes ``"batch"``."""
     if memory_budget is not None:
-        return parse_memory_budget(memory_budget)
+        return parse_memory_budget(memory_budget, hidden_bytes)
     from_env = env.memory_budget()
     if from_env is None:
         return parse_memory_budget(DEFAULT_MEMORY_BUDGET)
     try:
-        return parse_memory_budget(from_env)
+        return parse_memory_budget(from_env, hidden_bytes)
     except ValueError as exc:
         raise ValueError(f"environment variable LIGER_MEMORY_BUDGET={from_env!r}: {exc}") from None
 
 
-def working_bytes(memory_budget: int | str | None, n_tokens: int) -> int:
+def working_bytes(memory_budget: int | str | None, n_tokens: int, hidden_bytes: int | None = None) -> int:
     """What the chunk buffers may use: the resolved budget less the per-token vectors and the
     slack, so that everything the op allocates stays inside it (at least one byte: one row)."""
-    return max(1, resolve_budget(memory_budget) - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
+    return max(1, resolve_budget(memory_budget, hidden_bytes) - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
 
 
 def chunk_rows(

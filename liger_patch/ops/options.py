@@ -143,7 +143,8 @@ OPTION_DOCS = {
     'probability of the label (TRL\'s loss_type="dft")',
     "backend": '"auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"',
     "memory_budget": 'working memory beyond inputs, outputs and gradients: bytes, a size ("256MiB"), '
-    '"default" (512 MiB) or "lean" (32 MiB); None reads LIGER_MEMORY_BUDGET, else "default"',
+    '"default" (512 MiB), "lean" (32 MiB) or "batch" (6x the hidden states\' bytes, 256 MiB-1 GiB); None '
+    'reads LIGER_MEMORY_BUDGET, else "default" ("batch" in a patched model\'s forward)',
     "logits_dtype": "how logits chunks are stored: None (the input dtype, as an unpatched head stores "
     "them) or torch.float32 (more exact, slower)",
     "tuning": "a ``Tuning``: measured knobs of how the op runs (never what it computes)",

@@ -167,7 +167,8 @@ def apply_liger_to(target: Target, *, strict: bool = True, **options: Any) -> Ta
     The loss options act in the fused path only and are checked here, with the fused loss's own
     rules (:func:`liger_patch.fused_linear_cross_entropy`). ``z_loss_scale > 0`` reports the
     z-loss term as ``outputs.z_loss``; ``memory_budget=None`` reads ``LIGER_MEMORY_BUDGET`` on
-    every call.
+    every call, and when that is unset too the forward uses ``"batch"`` (working memory sized by
+    the batch's hidden states, so that the head does not set a training step's peak).
     """
     _check_target(target, "apply_liger_to")
     loss_options = checked_options("apply_liger_to", options)

@@ -110,6 +110,7 @@ def _head_loss(
         # patch's own options object are traced as symbols, and the options must be constants.
         return_z_loss=build_options(state.options.key).z_loss_scale > 0,
         **{name: True for name, on in flags.items() if on},
+        **state.budget_changes(),
     )
     if label_smoothing:
         per_call["label_smoothing"] = label_smoothing

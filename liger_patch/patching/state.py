@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from liger_patch import env
+from liger_patch.ops.budget import BATCH_BUDGET
 from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
 from liger_patch.patching.registry import ModelSpec
 
@@ -105,6 +107,15 @@ class PatchState:
     bypass_reason: str | None = None
     warned_bypass: bool = False
     warned_trl_options: bool = False
+
+    def budget_changes(self) -> dict[str, str]:
+        """``{"memory_budget": "batch"}`` when neither the patch's options nor
+        ``LIGER_MEMORY_BUDGET`` (read now) name a budget, else ``{}``: in a training step the
+        head's working memory is sized by the batch so that it stays under what the decoder's
+        backward allocates (``ops.budget.batch_budget``)."""
+        if self.options.memory_budget is None and env.memory_budget() is None:
+            return {"memory_budget": BATCH_BUDGET}
+        return {}
 
     def warn_bypass_once(self, message: str, stacklevel: int) -> None:
         """Say ``message`` as a :class:`LigerBypassWarning`, unless this patch said one already

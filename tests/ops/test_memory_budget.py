@@ -7,7 +7,14 @@ import torch
 from op_helpers import BACKENDS, TOL, call_op, check_parity, make_case, record_calls
 
 from liger_patch.ops import chunked
-from liger_patch.ops.budget import MEMORY_BUDGETS, PER_TOKEN_BYTES, SLACK_BYTES, parse_memory_budget
+from liger_patch.ops.budget import (
+    MEMORY_BUDGETS,
+    PER_TOKEN_BYTES,
+    SLACK_BYTES,
+    batch_budget,
+    parse_memory_budget,
+    resolve_budget,
+)
 from liger_patch.ops.options import LossOptions
 
 MiB = 1 << 20
@@ -44,6 +51,34 @@ def test_bad_memory_budget_types(value):
 
 def test_presets():
     assert {"default": 512 * MiB, "lean": 32 * MiB} == MEMORY_BUDGETS
+
+
+@pytest.mark.parametrize(
+    "hidden_bytes, nbytes",
+    [
+        (None, 1024 * MiB),  # size unknown (an option's check, doctor): its most
+        (1, 256 * MiB),
+        (256 * MiB // 6, 256 * MiB),
+        (50 * MiB, 300 * MiB),
+        (64 * MiB, 384 * MiB),  # Llama-1B, 8 x 2048 tokens in bf16
+        (128 * MiB, 768 * MiB),  # 16 x 2048
+        (1024 * MiB // 6 + 1, 1024 * MiB),
+        (1 << 40, 1024 * MiB),
+    ],
+)
+def test_batch_budget_is_six_times_the_hidden_states_within_256_mib_to_1_gib(hidden_bytes, nbytes):
+    assert batch_budget(hidden_bytes) == nbytes
+    assert parse_memory_budget(" Batch ", hidden_bytes) == nbytes
+
+
+def test_batch_budget_from_the_environment_and_as_an_option(monkeypatch):
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", "batch")
+    assert resolve_budget(None, 50 * MiB) == 300 * MiB
+    monkeypatch.delenv("LIGER_MEMORY_BUDGET")
+    assert resolve_budget(None, 50 * MiB) == 512 * MiB  # "default" ignores the size
+    assert LossOptions(memory_budget="batch").memory_budget == "batch"
+    with pytest.raises(ValueError, match="'batch'"):  # the refusal lists it among the names
+        parse_memory_budget("batches")
 
 
 @pytest.fixture

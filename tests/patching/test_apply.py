@@ -251,9 +251,9 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     seen = []
     real = budget.resolve_budget
 
-    def spy(value):
+    def spy(value, hidden_bytes=None):
         seen.append(value)
-        return real(value)
+        return real(value, hidden_bytes)
 
     monkeypatch.setattr(budget, "resolve_budget", spy)
     model = tiny_model("llama")
@@ -268,6 +268,36 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     with pytest.raises(ValueError, match="LIGER_MEMORY_BUDGET"):
         model(**batch)
     assert seen == ["lean", 4096, "lean", None]
+
+
+def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(monkeypatch):
+    """With no memory_budget and LIGER_MEMORY_BUDGET unset, the fused loss of a patched forward
+    gets "batch" (sized by the hidden states, ops.budget.batch_budget); the environment and an
+    explicit option still win."""
+    from liger_patch.ops import budget
+
+    seen = []
+    real = budget.resolve_budget
+
+    def spy(value, hidden_bytes=None):
+        seen.append((value, hidden_bytes))
+        return real(value, hidden_bytes)
+
+    monkeypatch.setattr(budget, "resolve_budget", spy)
+    monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
+    model = tiny_model("llama")
+    batch = make_batch()
+    lp.apply_liger_to(model)
+    model(**batch)
+    n, h = batch["input_ids"].numel(), model.config.hidden_size
+    assert seen == [("batch", n * h * 4)]  # the tiny model is fp32
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", "lean")
+    model(**batch)
+    assert seen[-1] == (None, n * h * 4)
+    monkeypatch.delenv("LIGER_MEMORY_BUDGET")
+    with lp.liger_patched(model, memory_budget="default"):
+        model(**batch)
+    assert seen[-1] == ("default", n * h * 4)
 
 
 def test_bad_memory_budget_is_refused_at_apply():
@@ -325,7 +355,8 @@ def test_signatures_and_docs_list_the_options():
 
 
 def test_every_option_the_forward_sets_is_set_per_call(monkeypatch):
-    """FORWARD_SETS (refused at apply) is exactly what the forward passes the op per call."""
+    """FORWARD_SETS (refused at apply) is exactly what the forward passes the op per call, with
+    memory_budget only while the patch and the environment name none (the "batch" default)."""
     from liger_patch.patching import forward
 
     seen = []
@@ -337,9 +368,12 @@ def test_every_option_the_forward_sets_is_set_per_call(monkeypatch):
 
     monkeypatch.setattr(forward, "fused_head_loss", spy)
     model = tiny_model("llama")
+    monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
     lp.apply_liger_to(model)
     model(**make_batch())
-    assert seen == [set(forward.FORWARD_SETS)]
+    lp.apply_liger_to(model, memory_budget="lean")
+    model(**make_batch())
+    assert seen == [set(forward.FORWARD_SETS) | {"memory_budget"}, set(forward.FORWARD_SETS)]
 
 
 def test_patch_state_reads_through_wrappers():
