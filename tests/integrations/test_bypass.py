@@ -65,7 +65,7 @@ def test_a_patched_model_called_without_labels_warns_once():
     model = tiny_model("llama", seed=0, dtype=torch.float32)
     lp.apply_liger_to(model, backend="torch")
     model.train()
-    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), device=model.device)
     with pytest.warns(LigerBypassWarning, match="without labels"):
         model(input_ids=ids).logits.sum().backward()
     with warnings.catch_warnings():
@@ -84,7 +84,7 @@ def test_the_filter_the_warning_names_exists():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.filterwarnings("ignore", category=lp.LigerBypassWarning)
-        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 7)))
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 7), device=model.device))
     assert not caught, [str(w.message) for w in caught]
     assert model._liger_patch_state.warned_bypass  # it was raised, and filtered
 

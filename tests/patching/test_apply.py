@@ -289,15 +289,15 @@ def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(mon
     batch = make_batch()
     lp.apply_liger_to(model)
     model(**batch)
-    n, h = batch["input_ids"].numel(), model.config.hidden_size
-    assert seen == [("batch", n * h * 4)]  # the tiny model is fp32
+    hidden_bytes = batch["input_ids"].numel() * model.config.hidden_size * model.dtype.itemsize
+    assert seen == [("batch", hidden_bytes)]
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "lean")
     model(**batch)
-    assert seen[-1] == (None, n * h * 4)
+    assert seen[-1] == (None, hidden_bytes)
     monkeypatch.delenv("LIGER_MEMORY_BUDGET")
     with lp.liger_patched(model, memory_budget="default"):
         model(**batch)
-    assert seen[-1] == ("default", n * h * 4)
+    assert seen[-1] == ("default", hidden_bytes)
 
 
 def test_bad_memory_budget_is_refused_at_apply():
