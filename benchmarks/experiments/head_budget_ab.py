@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
+from chunk_sweep import op_with  # noqa: E402  (this script's folder is on sys.path)
 from common import (  # noqa: E402
-    MiB,
     bench,
     environment,
     extra_memory_mib,
@@ -31,16 +31,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from liger_patch import fused_linear_cross_entropy  # noqa: E402
-
 HEADS = "16384x2048x128256,32768x2048x128256,32768x896x151936,16384x3584x152064"
-
-
-def op_with(budget_mib: int):
-    def fn(hidden, weight, labels):
-        return fused_linear_cross_entropy(hidden, weight, labels, memory_budget=budget_mib * MiB)
-
-    return fn
 
 
 def sweep(shape: str, budgets: list[int], rounds: int, rep_ms: int) -> dict:
@@ -50,13 +41,13 @@ def sweep(shape: str, budgets: list[int], rounds: int, rep_ms: int) -> dict:
     times: dict[int, list[float]] = {b: [] for b in budgets}
     for r in range(rounds):
         for b in budgets[r % len(budgets) :] + budgets[: r % len(budgets)]:
-            fn = op_with(b)
+            fn = op_with(b, input_dtype_logits=True)
             fwd_bwd(fn, hidden, weight, labels)
             times[b].append(bench(lambda fn=fn: fwd_bwd(fn, hidden, weight, labels), rep_ms))
     row = {"shape": shape, "floor_ms": floor, "budgets": {}}
     for b in budgets:
         ms = statistics.median(times[b])
-        mem = extra_memory_mib(op_with(b), hidden, weight, labels)
+        mem = extra_memory_mib(op_with(b, input_dtype_logits=True), hidden, weight, labels)
         row["budgets"][f"{b}MiB"] = {"ms": ms, "x_floor": ms / floor, "extra_mib": mem, "all_ms": times[b]}
         print(shape, f"{b} MiB {ms:.2f} ms {ms / floor:.3f}x {mem:.0f} MiB", flush=True)
     return row

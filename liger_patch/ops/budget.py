@@ -65,11 +65,12 @@ def parse_memory_budget(value: int | str, hidden_bytes: int | None = None) -> in
     ``"256MiB"``, ``"1GiB"``, ``"64MB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"memory_budget must be an int number of bytes or a string, got {value!r}")
+    name = value.strip().lower() if isinstance(value, str) else None
     if isinstance(value, int):
         nbytes = value
-    elif value.strip().lower() in MEMORY_BUDGETS:
-        return MEMORY_BUDGETS[value.strip().lower()]
-    elif value.strip().lower() == BATCH_BUDGET:
+    elif name in MEMORY_BUDGETS:
+        return MEMORY_BUDGETS[name]
+    elif name == BATCH_BUDGET:
         return batch_budget(hidden_bytes)
     else:
         match = _SIZE.match(value.lower())

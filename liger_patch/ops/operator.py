@@ -132,10 +132,6 @@ def z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
     return opts.z_loss_scale * lse.square()
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
     return torch.empty(0, dtype=dtype, device=like.device)
 
@@ -174,7 +170,7 @@ def flce(
             bias,
             labels,
             opts,
-            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), _nbytes(hidden)),
+            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), hidden.nbytes),
             coef_ce=row_weight if precompute else None,
             coef_z=row_weight if precompute else None,
             need_hidden=precompute and needs[0],
@@ -301,7 +297,7 @@ def recompute_grads(
             bias,
             labels,
             opts,
-            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), _nbytes(hidden)),
+            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), hidden.nbytes),
             coef_ce=coef_ce,
             coef_z=coef_z,
             lse_in=lse,

@@ -142,7 +142,7 @@ def shard_stats(
     if vocab_r == 0:
         return _empty_shard_stats(stats, names)
     logits_dtype = opts.logits_dtype or hidden.dtype
-    working = budget.working_bytes(opts.memory_budget, n, hidden.numel() * hidden.element_size())
+    working = budget.working_bytes(opts.memory_budget, n, hidden.nbytes)
     rows = budget.chunk_rows(vocab_r, working, logits_dtype.itemsize, opts.tuning)
     w = weight.to(gemm_dtype_for(hidden))
     b = None if bias is None else bias.float()
