@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers import IGNORE, LR
+from tests.distributed.workers import IGNORE, LR, leave_rank
 from tests.patching_helpers import TINY_CONFIG, VOCAB
 
 DS_CONFIG = {
@@ -222,13 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         result = train(args.variant, patched, args.out)
     if dist.get_rank() == 0:
         torch.save(result, args.out / f"{args.variant}_{args.patch}.pt")
-    dist.barrier()
-    # Both ranks are done and the results are written. Leave without the interpreter's teardown:
-    # with DeepSpeed's shm comm op loaded, a rank sometimes aborts there ("terminate called
-    # without an active exception", exit -6), even after destroy_process_group (seen in CI).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.distributed.workers import LR, STEPS, full_params, init_rank, rank_batch
+from tests.distributed.workers import LR, STEPS, full_params, init_rank, leave_rank, rank_batch
 
 TP_VOCAB = 1001  # odd: the shards differ in size (501 and 500 rows)
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             torch.save(result, args.out / f"{name}.pt")
         dist.barrier()
-    dist.destroy_process_group()
+    leave_rank()
     return 0
 
 
