@@ -11,7 +11,7 @@ import torch
 
 from liger_patch import env
 from liger_patch.ops.backends import pick
-from liger_patch.ops.budget import resolve_budget
+from liger_patch.ops.budget import BATCH_BUDGET, BATCH_FACTOR, BATCH_RANGE, MiB, resolve_budget
 from liger_patch.ops.fused_linear_ce import fused_linear_cross_entropy
 from liger_patch.ops.reference import reference_flce
 
@@ -21,6 +21,23 @@ def _version(module: str) -> str:
         return getattr(importlib.import_module(module), "__version__", "installed")
     except ImportError:
         return "not installed"
+
+
+def _budget_line() -> str:
+    """The memory budget of a call that names none: ``LIGER_MEMORY_BUDGET`` (read now), else the
+    op's default, and a patched model's ``"batch"`` (sized per call by its hidden states, so a
+    range here). Raises ``ValueError`` for a bad ``LIGER_MEMORY_BUDGET``."""
+    low, high = (b // MiB for b in BATCH_RANGE)
+    batch = f"batch ({BATCH_FACTOR} x the hidden states' bytes, {low}-{high} MiB)"
+    from_env = env.memory_budget()
+    if from_env is None:
+        default = resolve_budget(None) // MiB
+        return (
+            f"memory budget {default} MiB for the op, {batch} for a patched model (LIGER_MEMORY_BUDGET unset)"
+        )
+    if from_env.strip().lower() == BATCH_BUDGET:
+        return f"memory budget {batch} (LIGER_MEMORY_BUDGET={from_env})"
+    return f"memory budget {resolve_budget(None) / MiB:g} MiB (LIGER_MEMORY_BUDGET={from_env})"
 
 
 def _why_backend(device: torch.device, chosen: str) -> str:
@@ -71,12 +88,11 @@ def run_doctor() -> int:
         f"TRITON_INTERPRET={'1' if env.triton_interpret() else 'unset'}  "
         f"LIGER_RETURN_LOGITS={'1' if env.return_logits() else 'unset'}"
     )
-    try:  # what a call that passes no memory_budget gets
-        nbytes = resolve_budget(None)
+    try:
+        print(_budget_line())
     except ValueError as exc:
         print(f"memory budget INVALID: {exc}")
         return 1
-    print(f"memory budget {nbytes / 2**20:g} MiB (LIGER_MEMORY_BUDGET={env.memory_budget() or 'unset'})")
     chosen = pick("auto", device).name
     print(f"backend=auto  -> {chosen} ({_why_backend(device, chosen)})")
 

@@ -1,6 +1,8 @@
 """``python -m liger_patch doctor``: reports the environment, the memory budget and a self-check
 against fp64; a bad ``LIGER_MEMORY_BUDGET`` fails it with the reason instead of a traceback."""
 
+import pytest
+
 from liger_patch.doctor import run_doctor
 
 
@@ -10,6 +12,31 @@ def test_doctor_passes_and_reports_the_budget(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "memory budget 32 MiB (LIGER_MEMORY_BUDGET=lean)" in out
     assert "self-check    PASS" in out
+
+
+@pytest.mark.parametrize(
+    ("value", "line"),
+    [
+        (
+            None,
+            "memory budget 512 MiB for the op, batch (6 x the hidden states' bytes, 256-1024 MiB) "
+            "for a patched model (LIGER_MEMORY_BUDGET unset)",
+        ),
+        (
+            "batch",
+            "memory budget batch (6 x the hidden states' bytes, 256-1024 MiB) (LIGER_MEMORY_BUDGET=batch)",
+        ),
+        ("96MiB", "memory budget 96 MiB (LIGER_MEMORY_BUDGET=96MiB)"),
+    ],
+)
+def test_doctor_names_the_budget_a_call_gets(capsys, monkeypatch, value, line):
+    """ "batch" is sized per call, so doctor names it with its range (it once printed 1024 MiB)."""
+    if value is None:
+        monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
+    else:
+        monkeypatch.setenv("LIGER_MEMORY_BUDGET", value)
+    assert run_doctor() == 0
+    assert line in capsys.readouterr().out
 
 
 def test_doctor_fails_on_a_bad_budget(capsys, monkeypatch):
