@@ -14,10 +14,22 @@ import torch
 
 from tests.distributed.launch import run_workers
 from tests.distributed.workers import SCENARIOS
-from tests.patching_helpers import tolerances
+from tests.patching_helpers import Tolerances, tolerances
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-TOL = tolerances(torch.float32)
+
+
+# Forwards under bf16 autocast: patched and unpatched round differently (our GEMMs accumulate a
+# chunk in fp32, autocast's store bf16), and measured 1.5-2.0e-3 apart in the parameters after 3
+# steps on CPU; a 10 % error in the head's grad_W moves them 7-8e-3 (the loss hardly at all).
+AMP_TOL = Tolerances(loss=1e-3, grad=8e-2, param=4e-3)
+
+
+def tol_for(scenario: str) -> Tolerances:
+    """fp32 tolerances, ``AMP_TOL`` for a scenario whose forwards run under bf16 autocast."""
+    return AMP_TOL if SCENARIOS.get(scenario, {}).get("amp") else tolerances(torch.float32)
+
+
 FSDP2_SCENARIOS = [name for name in SCENARIOS if "fsdp2" in name]
 # accelerate keeps FSDP off on CPU (it stays MULTI_CPU): the Trainer's FSDP2 run needs 2 GPUs
 TRAINER_SCENARIOS = ["trainer_ddp", "trainer_fsdp2"] if TWO_GPUS else ["trainer_ddp"]
@@ -31,18 +43,19 @@ def results(tmp_path_factory) -> dict[str, dict]:
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
 
-def assert_same_training(run: dict, reference: dict, what: str) -> None:
-    torch.testing.assert_close(run["losses"], reference["losses"], rtol=TOL.loss, atol=TOL.loss, msg=what)
+def assert_same_training(run: dict, reference: dict, what: str, tol) -> None:
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=tol.loss, atol=tol.loss, msg=what)
     assert run["params"].keys() == reference["params"].keys()
     for name, expected in reference["params"].items():
         err = (run["params"][name] - expected).abs().max().item()
-        assert err <= TOL.param, f"{what}: parameter {name} differs by {err:.2e}"
+        assert err <= tol.param, f"{what}: parameter {name} differs by {err:.2e}"
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_patched_trains_like_unpatched(results, scenario):
     result = results[scenario]
-    assert_same_training(result["patched"], result["unpatched"], f"{scenario}: patched vs unpatched")
+    what = f"{scenario}: patched vs unpatched"
+    assert_same_training(result["patched"], result["unpatched"], what, tol_for(scenario))
     assert all(result["patched"]["logits_none"]), "the fused path did not run"
     assert not any(result["unpatched"]["logits_none"])
 
@@ -50,7 +63,8 @@ def test_patched_trains_like_unpatched(results, scenario):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_distributed_equals_single_process_on_union_of_batches(results, scenario):
     result = results[scenario]
-    assert_same_training(result["patched"], result["single"], f"{scenario}: patched vs one process")
+    what = f"{scenario}: patched vs one process"
+    assert_same_training(result["patched"], result["single"], what, tol_for(scenario))
 
 
 @pytest.mark.parametrize("scenario", FSDP2_SCENARIOS)
@@ -71,7 +85,8 @@ def test_all_ignored_rank_gives_exact_zero_and_no_hang(results, scenario):
 @pytest.mark.parametrize("scenario", TRAINER_SCENARIOS)
 def test_trainer_with_callback_trains_like_plain_trainer(results, scenario):
     result = results[scenario]
-    assert_same_training(result["patched"], result["unpatched"], f"{scenario}: Trainer + callback vs Trainer")
+    what = f"{scenario}: Trainer + callback vs Trainer"
+    assert_same_training(result["patched"], result["unpatched"], what, tol_for(scenario))
     assert len(result["patched"]["losses"]) == 2
     if scenario == "trainer_fsdp2":
         assert result["patched"]["sharded"], "the Trainer did not shard the model with FSDP2"

@@ -172,14 +172,22 @@ def wrap_accelerate_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
+def autocast(device: torch.device, amp: bool):
+    """The forward's context: ``torch.autocast`` to bf16 for ``amp`` (fp32 parameters, the HF
+    Trainer's ``bf16=True``), else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+
+
 def train_distributed(
     wrap: Callable[[nn.Module, torch.device], nn.Module],
     device: torch.device,
     tied: bool,
     patched: bool,
     all_ignored_rank: int | None,
+    amp: bool = False,
 ) -> dict:
-    """STEPS of SGD under ``wrap``; global losses, what the head looked like, final full parameters."""
+    """STEPS of SGD under ``wrap`` (forwards under bf16 autocast with ``amp``); global losses,
+    what the head looked like, final full parameters."""
     import liger_patch as lp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +202,8 @@ def train_distributed(
         batch = rank_batch(step, rank, device, all_ignored=rank == all_ignored_rank)
         count = target_count(batch)
         dist.all_reduce(count)  # the Trainer's average_tokens_across_devices
-        out = wrapped(**batch, num_items_in_batch=count)
+        with autocast(device, amp):
+            out = wrapped(**batch, num_items_in_batch=count)
         (out.loss * world).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -215,7 +224,9 @@ def train_distributed(
     }
 
 
-def train_single_process(device: torch.device, tied: bool, all_ignored_rank: int | None, world: int) -> dict:
+def train_single_process(
+    device: torch.device, tied: bool, all_ignored_rank: int | None, world: int, amp: bool = False
+) -> dict:
     """The reference: unpatched, one process, every rank's batch concatenated, plain mean."""
     model = build_model(device, tied)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -223,7 +234,8 @@ def train_single_process(device: torch.device, tied: bool, all_ignored_rank: int
     for step in range(STEPS):
         parts = [rank_batch(step, r, device, all_ignored=r == all_ignored_rank) for r in range(world)]
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        out = model(**batch)
+        with autocast(device, amp):
+            out = model(**batch)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -240,6 +252,10 @@ SCENARIOS: dict[str, dict] = {
     "fsdp2_all_ignored_rank": dict(wrap=wrap_fsdp2_head_unit, tied=False, all_ignored_rank=1),
     "accelerate_fsdp2": dict(wrap=wrap_accelerate_fsdp2, tied=False, all_ignored_rank=None),
     "accelerate_fsdp2_tied": dict(wrap=wrap_accelerate_fsdp2, tied=True, all_ignored_rank=None),
+    # fp32 parameters, forwards under bf16 autocast: the fp32 head weight reaches the op uncast
+    "ddp_amp": dict(wrap=wrap_ddp, tied=False, all_ignored_rank=None, amp=True),
+    "fsdp2_amp": dict(wrap=wrap_fsdp2_head_unit, tied=False, all_ignored_rank=None, amp=True),
+    "fsdp2_tied_amp": dict(wrap=wrap_fsdp2_root_head, tied=True, all_ignored_rank=None, amp=True),
 }
 
 
@@ -327,14 +343,13 @@ def run_scenario(name: str, device: torch.device, out_dir: Path) -> None:
         dist.barrier()
         return
     spec = SCENARIOS[name]
+    wrap, tied, ignored, amp = spec["wrap"], spec["tied"], spec["all_ignored_rank"], spec.get("amp", False)
     result = {
-        "unpatched": train_distributed(spec["wrap"], device, spec["tied"], False, spec["all_ignored_rank"]),
-        "patched": train_distributed(spec["wrap"], device, spec["tied"], True, spec["all_ignored_rank"]),
+        "unpatched": train_distributed(wrap, device, tied, False, ignored, amp),
+        "patched": train_distributed(wrap, device, tied, True, ignored, amp),
     }
     if dist.get_rank() == 0:
-        result["single"] = train_single_process(
-            device, spec["tied"], spec["all_ignored_rank"], dist.get_world_size()
-        )
+        result["single"] = train_single_process(device, tied, ignored, dist.get_world_size(), amp)
         torch.save(result, out_dir / f"{name}.pt")
     dist.barrier()
 
