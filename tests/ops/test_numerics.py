@@ -164,8 +164,13 @@ def test_hidden_size_zero(gen, device, backend, reduction):
     assert_close("loss without bias", plain, expected.double(), FP32)
     loss = call_raw(hidden, weight, labels, bias, backend=backend, reduction=reduction)
     ref_bias = bias.detach().cpu().double().requires_grad_()
-    ref, _ = reference_flce(hidden.detach().cpu().double(), weight.detach().cpu().double(), labels.cpu(),
-                            ref_bias, reduction=reduction)
+    ref, _ = reference_flce(
+        hidden.detach().cpu().double(),
+        weight.detach().cpu().double(),
+        labels.cpu(),
+        ref_bias,
+        reduction=reduction,
+    )
     assert_close("loss with bias", loss, ref, FP32)
     loss.sum().backward()
     ref.sum().backward()
