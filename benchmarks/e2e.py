@@ -74,19 +74,26 @@ def build(row: str, variant: str):
     return model, opt, ids
 
 
+def train_step(model, opt, ids, amp: bool):
+    """One optimizer step on ``ids`` (their own labels), the forward under bf16 autocast for
+    ``amp``; returns the loss, detached."""
+    import torch
+
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
     import torch
 
     model, opt, ids = build(row, variant)
-    amp = ROWS[row][5]
 
-    def step() -> float:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    def step():
+        return train_step(model, opt, ids, amp=ROWS[row][5])
 
     first_loss = float(step())
     for _ in range(warmup - 1):

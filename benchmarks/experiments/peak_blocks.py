@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common and e2e
 from common import need_cuda  # noqa: E402
-from e2e import ROWS, VARIANTS, build  # noqa: E402
+from e2e import ROWS, VARIANTS, build, train_step  # noqa: E402
 
 SMALL = 1 << 20
 
@@ -54,19 +54,11 @@ def record(row: str, variant: str) -> dict:
 
     model, opt, ids = build(row, variant)
     amp = ROWS[row][5]
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     for _ in range(2):
-        step()
+        train_step(model, opt, ids, amp)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    step()
+    train_step(model, opt, ids, amp)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
