@@ -7,10 +7,19 @@ op package itself is imported lazily below and by the test modules.
 """
 
 import os
+import sys
 import zlib
 
 import pytest
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # a pytest from another environment than the one pip installed into
+    raise pytest.UsageError(
+        f"torch is not importable by the Python running pytest ({sys.executable}): install with "
+        f'that Python, `{sys.executable} -m pip install torch==2.13.0 -e ".[test]"`, or run '
+        "the pytest of the environment you installed into (README, Set-up)"
+    ) from exc
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
