@@ -149,14 +149,15 @@ def _stock_causal_loss(model: nn.Module) -> bool:
 
 
 def _run_captured(
-    model: nn.Module, run: Callable, args: tuple, kwargs: dict, path: str, capture: HeadCapture
+    model: nn.Module, run: Callable, args: tuple, kwargs: dict, path: str, head: nn.Module, call: FusedCall
 ) -> Any:
-    """``run(model, *args, **kwargs)`` with the module at ``path`` replaced by ``capture`` and the
-    stock causal-LM loss swapped, both restored afterwards whatever happens."""
+    """``run(model, *args, **kwargs)`` with the module at ``path`` replaced by a capture of
+    ``head`` (wearing the registered module's face) and the stock causal-LM loss swapped, both
+    restored afterwards whatever happens."""
     parent, name = _parent_and_name(model, path)
     registered = parent._modules[name]
     swap_loss = _stock_causal_loss(model)
-    parent._modules[name] = capture
+    parent._modules[name] = HeadCapture(head, call, registered)
     if swap_loss:
         model.__dict__["_loss_function"] = causal_lm_loss
     try:
@@ -204,7 +205,7 @@ def fused_forward(
     """The fused path: the model's own forward with deferred logits and the fused loss
     (``flags``: the call's ``CALL_FLAGS``)."""
     call = FusedCall(loss_fn=functools.partial(_head_loss, head, state, flags or {}))
-    output = _run_captured(model, run, args, kwargs, path, HeadCapture(head, call))
+    output = _run_captured(model, run, args, kwargs, path, head, call)
     if not call.head_calls:
         _note_unfusable(model, state, "its forward never called its output projection (the loss is its own)")
     return _finish(model, output, call, state)

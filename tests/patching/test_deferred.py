@@ -263,3 +263,45 @@ def test_z_loss_is_returned_to_the_call_record():
     z = 1e-2 * (torch.logsumexp(kept, -1) ** 2).mean()
     torch.testing.assert_close(call.z_losses[0].double(), z, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(loss.double(), F.cross_entropy(kept, targets[targets != -100]) + z)
+
+
+class NamedHead(nn.Linear):
+    """A head subclass with a field and a property of its own (remote code's heads)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = "vocab-head"
+
+    @property
+    def vocab(self) -> int:
+        return self.out_features
+
+
+def test_the_capture_answers_every_attribute_as_the_head_does():
+    head = NamedHead(H, V)
+    capture, _ = make_capture(head)
+    assert (capture.in_features, capture.out_features) == (H, V)
+    assert (capture.tag, capture.vocab) == ("vocab-head", V)
+    assert capture.weight is head.weight and capture.bias is head.bias
+    assert isinstance(capture, nn.Linear) and isinstance(capture, NamedHead)
+    assert [(n, p) for n, p in capture.named_parameters()] == list(head.named_parameters())
+    assert next(capture.parameters()).dtype == head.weight.dtype
+    assert capture.training == head.training
+    assert capture.extra_repr().startswith("capturing NamedHead")
+    assert not hasattr(capture, "no_such_field")
+    with pytest.raises(AttributeError, match="'NamedHead' object has no attribute 'no_such_field'"):
+        capture.no_such_field  # noqa: B018 (the same error as the head's)
+    assert isinstance(capture(hidden_states()), DeferredLogits)
+
+
+def test_the_capture_wears_the_registered_modules_face():
+    """Where the fused head is another module than the registered one (PEFT's modules_to_save
+    copy), the capture reads the fused head's weight but answers as the registered module."""
+    registered = nn.Sequential(make_head())
+    active = make_head(seed=3)
+    call = FusedCall(loss_fn=None)
+    capture = HeadCapture(active, call, registered)
+    assert isinstance(capture, nn.Sequential) and capture.weight is active.weight
+    assert [n for n, _ in capture.named_parameters()] == ["0.weight", "0.bias"]
+    assert capture.get_submodule("0") is registered[0]
+    assert capture(hidden_states()).head is active

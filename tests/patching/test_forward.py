@@ -246,3 +246,37 @@ def test_return_logits_are_bit_identical_to_the_original_head(model_type, monkey
     monkeypatch.setenv("LIGER_RETURN_LOGITS", "1")
     batch = make_batch()
     assert torch.equal(patched(**batch).logits, reference(**batch).logits)
+
+
+def test_a_forward_reading_its_heads_attributes_fuses_and_matches():
+    """transformers 5.24's Apertus passes ``self.lm_head.out_features`` as the vocabulary size;
+    remote code reads a head's parameters, class and other fields too. Patched, every such read
+    answers as the head does and the step equals the unpatched one, through the fused path."""
+    from tests.patching.custom_model import TinyMlpConfig, TinyMlpForCausalLM
+
+    class HeadReadingLM(TinyMlpForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            head = self.lm_head
+            assert isinstance(head, torch.nn.Linear) and head.in_features == self.config.hidden_size
+            assert getattr(head, "missing_field", "default") == "default"
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = hidden.to(next(head.parameters()).dtype)
+            logits = head(hidden) * self.config.logit_scale
+            loss = self.loss_function(logits, labels, vocab_size=head.out_features, **kwargs)
+            return CausalLMOutput(loss=loss, logits=logits)
+
+    from transformers.modeling_outputs import CausalLMOutput
+
+    torch.manual_seed(0)
+    reference = HeadReadingLM(TinyMlpConfig(vocab_size=97, hidden_size=24, num_hidden_layers=2)).train()
+    patched = lp.apply_liger_to(copy.deepcopy(reference))
+    batch = make_batch(device="cpu")
+    batch["input_ids"] = batch["input_ids"] % 97
+    batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % 97, batch["labels"])
+    expected, got = reference(**batch), patched(**batch)
+    expected.loss.backward()
+    got.loss.backward()
+    assert got.logits is None and lp.patching.state.patch_state(patched).fused_ran
+    close(got.loss, expected.loss)
+    for a, b in zip(patched.parameters(), reference.parameters(), strict=True):
+        close(a.grad, b.grad)
