@@ -1,7 +1,7 @@
-"""Deferred logits: what the output projection returns inside a fused forward.
+"""Deferred logits: what the captured output projection returns inside a fused forward.
 
 The patched forward runs the model's *own* forward with its output projection swapped for a
-:class:`HeadCapture`. Instead of ``tokens x vocab`` logits the capture returns
+capture (``capture.HeadCapture``). Instead of ``tokens x vocab`` logits the capture returns
 :class:`DeferredLogits`: the head's input hidden states plus a record of what the model then
 does to its logits. The ops a causal-LM forward applies between its head and its loss are few,
 and each has an exact counterpart:
@@ -9,9 +9,11 @@ and each has an exact counterpart:
 * scaling by a constant (``* logit_scale``, ``/ logits_scaling``) -> the op's ``logit_scale``;
 * a final softcap ``tanh(x / c) * c`` -> the op's ``softcap``;
 * casts (``.float()``, ``.to(dtype)``), ``.contiguous()`` -> nothing for the loss;
+  (these three: ``logits_ops.OPS``, which says what each does to real logits and to the loss)
 * indexing and reshaping of the token dimensions -> applied to the hidden states;
-* the loss: transformers' ``ForCausalLMLoss`` (swapped for :func:`causal_lm_loss` during the
-  call) or ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` on the logits -> the fused loss.
+* the loss: transformers' ``ForCausalLMLoss`` (swapped for ``causal_loss.causal_lm_loss`` during
+  the call) or ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` on the logits -> the fused loss,
+  asked for with a ``seam.LossRequest`` (:meth:`DeferredLogits.loss`).
 
 So the model's own code decides the hidden states (any prediction-head transform, any
 ``logits_to_keep`` slicing), its head math, its label shift, its MoE aux loss and its output
@@ -26,54 +28,18 @@ With ``LIGER_RETURN_LOGITS=1`` the real logits are computed by replaying the rec
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["DeferredLogits", "FusedCall", "HeadCapture", "UnfusableLogitsUse", "causal_lm_loss"]
+from liger_patch.patching import logits_ops
+from liger_patch.patching.logits_ops import LogitsOp
+from liger_patch.patching.seam import CapturedCall, LossRequest, UnfusableLogitsUse
 
-
-class UnfusableLogitsUse(RuntimeError):
-    """The model's forward used its logits in a way the fused loss cannot reproduce exactly."""
-
-
-@dataclass
-class FusedCall:
-    """One fused forward's context: how to compute the loss, and what happened.
-
-    ``loss_fn(deferred, targets, ignore_index, reduction, num_items_in_batch, label_smoothing)``
-    returns ``(loss, outputs)``, ``outputs`` the op's other outputs by name (``z_loss``,
-    ``token_accuracy``, ...); the patched forward supplies it (with the head module, so that a
-    sharded head is gathered through its own call, and the user's options). ``z_losses`` collects
-    every loss's z-loss; ``outputs`` holds the other outputs of the last loss.
-    """
-
-    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    head_calls: int = 0
-    losses: int = 0
-    z_losses: list = field(default_factory=list)
-    outputs: dict = field(default_factory=dict)
-
-
-_Op = tuple[str, Any]  # ("mul" | "div", operand), ("tanh", None) or ("cast", dtype)
-
-
-def _scalar(operand: Any, what: str) -> float:
-    """``operand`` as a Python float for the fused loss; a learnable or non-scalar one is refused."""
-    if isinstance(operand, numbers.Real) and not isinstance(operand, bool):
-        return float(operand)
-    if torch.is_tensor(operand) and operand.numel() == 1 and not operand.is_complex():
-        if operand.requires_grad:
-            raise UnfusableLogitsUse(
-                f"it {what} the logits by a learnable tensor (the fused loss takes a constant)"
-            )
-        return float(operand)
-    raise UnfusableLogitsUse(f"it {what} the logits by {type(operand).__name__} (not a scalar constant)")
+__all__ = ["DeferredLogits", "replace_deferred"]
 
 
 def _expand_ellipsis(index: tuple, ndim: int) -> tuple:
@@ -117,12 +83,37 @@ def _refused(operator: str) -> Callable[..., Any]:
     return refuse
 
 
+def _refusing_operators(cls: type) -> type:
+    """``cls`` with one method per name in its ``REFUSED_OPERATORS``, raising
+    :class:`UnfusableLogitsUse` that names the operator. (Python looks operators up on the class,
+    never through ``__getattr__``, so each needs a method of its own.)"""
+    for operator in cls.REFUSED_OPERATORS:
+        setattr(cls, operator, _refused(operator))
+    return cls
+
+
+@_refusing_operators
 class DeferredLogits:
     """``head(hidden)`` followed by ``ops``, not computed. Looks like the logits tensor to the
     code that receives it (``shape``, ``dtype``, ``device``, ``size()``, ``dim()``) and records
     the supported ops; every other use raises :class:`UnfusableLogitsUse`."""
 
-    def __init__(self, call: FusedCall, head: nn.Module, hidden: torch.Tensor, ops: tuple = (), dtype=None):
+    REFUSED_OPERATORS: ClassVar[tuple[str, ...]] = (
+        *("__add__", "__radd__", "__sub__", "__rsub__", "__rtruediv__", "__neg__", "__pos__", "__abs__"),
+        *("__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__floordiv__", "__mod__"),
+        *("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"),
+        *("__iter__", "__len__", "__float__", "__int__", "__index__", "__setitem__"),
+    )
+    """Arithmetic, comparisons, conversions and writes: no fused counterpart."""
+
+    def __init__(
+        self,
+        call: CapturedCall,
+        head: nn.Module,
+        hidden: torch.Tensor,
+        ops: tuple[LogitsOp, ...] = (),
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self._call, self._head, self.hidden, self.ops = call, head, hidden, ops
         self.dtype = dtype if dtype is not None else hidden.dtype
         self.device = hidden.device
@@ -130,7 +121,7 @@ class DeferredLogits:
         self.requires_grad = hidden.requires_grad or head.weight.requires_grad
 
     def _then(
-        self, op: _Op | None = None, *, hidden: torch.Tensor | None = None, dtype=None
+        self, op: LogitsOp | None = None, *, hidden: torch.Tensor | None = None, dtype=None
     ) -> DeferredLogits:
         ops = self.ops if op is None else (*self.ops, op)
         hidden = self.hidden if hidden is None else hidden
@@ -155,7 +146,7 @@ class DeferredLogits:
 
     # --- casts and layout --------------------------------------------------------------------
     def float(self) -> DeferredLogits:
-        return self._then(("cast", torch.float32), dtype=torch.float32)
+        return self._then(logits_ops.recorded("cast", torch.float32), dtype=torch.float32)
 
     def to(self, *args: Any, **kwargs: Any) -> DeferredLogits:
         """A cast (``.to(torch.float32)``, ``.to(other_tensor)``); a move to another device is refused."""
@@ -164,7 +155,7 @@ class DeferredLogits:
             if torch.is_tensor(value):
                 value = value.dtype
             if isinstance(value, torch.dtype):
-                result = result._then(("cast", value), dtype=value)
+                result = result._then(logits_ops.recorded("cast", value), dtype=value)
             elif isinstance(value, (str, torch.device)) and _same_device(torch.device(value), self.device):
                 continue
             elif value is not None and not isinstance(value, bool):  # non_blocking / copy flags
@@ -203,19 +194,17 @@ class DeferredLogits:
             index = index[:-1]
         return self._then(hidden=self.hidden[index])
 
-    # --- elementwise head math ------------------------------------------------------------
+    # --- elementwise head math (logits_ops.OPS) -------------------------------------------
     def __mul__(self, other: Any) -> DeferredLogits:
-        _scalar(other, "multiplies")
-        return self._then(("mul", other))
+        return self._then(logits_ops.recorded("mul", other))
 
     __rmul__ = __mul__
 
     def __truediv__(self, other: Any) -> DeferredLogits:
-        _scalar(other, "divides")
-        return self._then(("div", other))
+        return self._then(logits_ops.recorded("div", other))
 
     def tanh(self) -> DeferredLogits:
-        return self._then(("tanh", None))
+        return self._then(logits_ops.recorded("tanh"))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -246,9 +235,8 @@ class DeferredLogits:
         raise UnfusableLogitsUse("it tests the logits' truth value")
 
     def __repr__(self) -> str:
-        return (
-            f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype}, ops={[o for o, _ in self.ops]})"
-        )
+        kinds = [op.kind for op in self.ops]
+        return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype}, ops={kinds})"
 
     # --- what the fused loss and LIGER_RETURN_LOGITS need -------------------------------------
     @property
@@ -256,73 +244,25 @@ class DeferredLogits:
         return self._head
 
     def loss_math(self) -> tuple[float | None, float | None]:
-        """``(logit_scale, softcap)`` equal to the recorded ops: ``q * tanh(p * x)`` is the op's
-        ``softcap(s * x)`` with ``c = q`` and ``s = p * q``; without tanh, ``s = p``."""
-        before, after, tanh_seen = 1.0, 1.0, False
-        for kind, operand in self.ops:
-            if kind == "tanh":
-                if tanh_seen:
-                    raise UnfusableLogitsUse("it applies tanh to the logits twice")
-                tanh_seen = True
-            elif kind in ("mul", "div"):
-                value = _scalar(operand, "multiplies" if kind == "mul" else "divides")
-                value = value if kind == "mul" else 1.0 / value
-                if tanh_seen:
-                    after *= value
-                else:
-                    before *= value
-        if not tanh_seen:
-            return (None if before == 1.0 else before), None
-        if not after > 0:
-            raise UnfusableLogitsUse(f"it scales tanh of the logits by {after} (a softcap must be > 0)")
-        return before * after, after
+        """``(logit_scale, softcap)`` for the fused loss, equal to the recorded ops."""
+        return logits_ops.loss_math(self.ops)
 
     def materialize(self) -> torch.Tensor:
         """The real logits: ``head(hidden)`` and the recorded ops replayed in the model's order."""
-        logits = self._head(self.hidden)
-        for kind, operand in self.ops:
-            if kind == "cast":
-                logits = logits.to(operand)
-            elif kind == "tanh":
-                logits = torch.tanh(logits)
-            elif kind == "mul":
-                logits = logits * operand
-            else:
-                logits = logits / operand
-        return logits
+        return logits_ops.replay(self._head(self.hidden), self.ops)
 
-    def fused_loss(
-        self,
-        targets: torch.Tensor,
-        *,
-        ignore_index: int,
-        reduction: str,
-        num_items_in_batch: Any = None,
-        label_smoothing: float = 0.0,
-    ) -> torch.Tensor:
-        """The loss of these logits against ``targets`` (same token shape), through the fused op."""
-        if targets.shape != self.shape[:-1]:
+    def loss(self, request: LossRequest) -> torch.Tensor:
+        """The loss of these logits for ``request`` (targets of their token shape), computed by
+        the call's ``compute_loss`` and recorded on the call."""
+        if request.targets.shape != self.shape[:-1]:
             raise UnfusableLogitsUse(
-                f"its loss pairs logits {tuple(self.shape)} with targets {tuple(targets.shape)}"
+                f"its loss pairs logits {tuple(self.shape)} with targets {tuple(request.targets.shape)}"
             )
-        loss, outputs = self._call.loss_fn(
-            self, targets, ignore_index, reduction, num_items_in_batch, label_smoothing
+        logit_scale, softcap = self.loss_math()
+        result = self._call.compute_loss(
+            head=self._head, hidden=self.hidden, logit_scale=logit_scale, softcap=softcap, request=request
         )
-        self._call.losses += 1
-        z_loss = outputs.pop("z_loss", None)
-        if z_loss is not None:
-            self._call.z_losses.append(z_loss)
-        self._call.outputs.update(outputs)
-        return loss
-
-
-_REFUSED_OPERATORS = (
-    *("add", "radd", "sub", "rsub", "rtruediv", "neg", "pos", "abs", "pow", "rpow"),
-    *("matmul", "rmatmul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq", "ne"),
-    *("iter", "len", "float", "int", "index", "setitem"),
-)
-for _operator in _REFUSED_OPERATORS:  # arithmetic, comparisons, conversions, writes: no fused counterpart
-    setattr(DeferredLogits, f"__{_operator}__", _refused(f"__{_operator}__"))
+        return self._call.record_loss(result)
 
 
 def _cross_entropy(
@@ -347,111 +287,11 @@ def _cross_entropy(
         raise UnfusableLogitsUse(
             f"it calls cross_entropy on logits of shape {tuple(input.shape)} (not (N, V))"
         )
-    return input.fused_loss(
-        target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    return input.loss(
+        LossRequest(
+            targets=target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        )
     )
-
-
-def causal_lm_loss(
-    logits: Any,
-    labels: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    num_items_in_batch: Any = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` (same arguments, same label shift) on deferred logits.
-
-    Position t predicts token t+1: labels are shifted left by one and the last position gets
-    ``ignore_index``; ``shift_labels`` (already shifted, e.g. by context parallelism) wins.
-    ``num_items_in_batch`` divides the sum, as there, and 0 of them gives 0, not NaN.
-    """
-    if not isinstance(logits, DeferredLogits):
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        return ForCausalLMLoss(
-            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
-        )
-    if vocab_size is not None and vocab_size != logits.shape[-1]:
-        raise UnfusableLogitsUse(
-            f"its loss reads vocab_size={vocab_size} but the head gives {logits.shape[-1]} logits per token"
-        )
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.to(logits.device)
-    if targets.numel() * logits.shape[-1] != logits.numel():
-        raise ValueError(
-            f"liger_patch: labels give {targets.numel()} targets but the model produced "
-            f"{logits.numel() // logits.shape[-1]} positions (logits {tuple(logits.shape)}); labels must "
-            "cover the kept positions"
-        )
-    flat = logits.view(-1, logits.shape[-1])
-    return flat.fused_loss(
-        targets.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="mean",
-        num_items_in_batch=num_items_in_batch,
-    )
-
-
-class HeadCapture(nn.Module):
-    """Stands in for the output projection during one fused forward: calling it returns
-    :class:`DeferredLogits` instead of computing the logits.
-
-    Everything else answers as the module it replaces does, so a forward never notices the swap:
-    the capture shares that module's parameter, buffer and submodule dicts (``lm_head.weight``,
-    ``named_parameters()``, and the model's own ``parameters()`` during the call are unchanged),
-    reads every other attribute off it (``in_features``, ``out_features``, a custom head's own
-    fields, properties and methods), reports its class to ``isinstance``, and raises the same
-    ``AttributeError`` for a name the module lacks. Only calling it differs; a call it cannot
-    defer (extra arguments) is refused with :class:`UnfusableLogitsUse`. The module stays
-    registered where it was outside the call; the capture lives for the call only.
-    """
-
-    def __init__(self, head: nn.Module, call: FusedCall, replaced: nn.Module | None = None) -> None:
-        super().__init__()
-        replaced = head if replaced is None else replaced
-        # ``head`` is what the fused loss reads (a PEFT modules_to_save copy, say); ``replaced`` is
-        # the module registered at the head's path, whose face the capture wears.
-        for name, value in (("_head", head), ("_call", call), ("_replaced", replaced)):
-            self.__dict__[name] = value
-        for name in ("_parameters", "_buffers", "_modules"):
-            self.__dict__[name] = getattr(replaced, name)
-        self.__dict__["training"] = replaced.training
-
-    @property
-    def __class__(self) -> type:  # isinstance(model.lm_head, nn.Linear) stays True
-        replaced = self.__dict__.get("_replaced")
-        return HeadCapture if replaced is None else type(replaced)
-
-    @property
-    def weight(self) -> torch.Tensor:  # code such as ``hidden.to(self.lm_head.weight.dtype)``
-        return self._head.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self._head.bias
-
-    def __getattr__(self, name: str) -> Any:
-        """What the replaced module answers for ``name`` (its parameters and buffers come first,
-        through the shared dicts): the same value, or the same ``AttributeError``."""
-        replaced = self.__dict__.get("_replaced")
-        if replaced is None or name.startswith("__"):
-            return super().__getattr__(name)
-        return getattr(replaced, name)
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> DeferredLogits:
-        if args or kwargs:
-            raise UnfusableLogitsUse("it calls its output projection with extra arguments")
-        self._call.head_calls += 1
-        return DeferredLogits(self._call, self._head, hidden)
-
-    def _get_name(self) -> str:
-        return "HeadCapture"
-
-    def extra_repr(self) -> str:
-        return f"capturing {self._replaced!r}"
 
 
 def replace_deferred(value: Any, materialize: bool) -> Any:

@@ -6,8 +6,8 @@ decides whether to pass ``num_items_in_batch`` by inspecting it, and ``generate`
 too) and decides on every call which path runs:
 
 * **fused** (training with labels, or ``skip_logits=True``): the model's *own* forward runs,
-  with its output projection swapped for a capture (``deferred.HeadCapture``) and its causal-LM
-  loss for ``deferred.causal_lm_loss``, for this call only. The body, any prediction-head
+  with its output projection swapped for a capture (``capture.HeadCapture``) and its causal-LM
+  loss for ``causal_loss.causal_lm_loss``, for this call only. The body, any prediction-head
   transform, ``logits_to_keep``, the head math (scale, softcap), the label shift, the MoE aux
   loss and the output class are all the model's; the ``tokens x vocab`` logits are never built
   and the loss comes from the fused op with the user's options (and what this forward sets per
@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,16 +33,12 @@ from liger_patch import env
 from liger_patch.ops.options import build_options
 from liger_patch.ops.outputs import OUTPUT_NAMES
 from liger_patch.patching.call import bind_call, positional_names, wants_fused_path
-from liger_patch.patching.deferred import (
-    DeferredLogits,
-    FusedCall,
-    HeadCapture,
-    UnfusableLogitsUse,
-    causal_lm_loss,
-    replace_deferred,
-)
+from liger_patch.patching.capture import HeadCapture
+from liger_patch.patching.causal_loss import causal_lm_loss
+from liger_patch.patching.deferred import replace_deferred
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.lazy import lazy_imports
+from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult, UnfusableLogitsUse
 from liger_patch.patching.sharded_head import fused_head_loss
 from liger_patch.patching.state import STATE_ATTR, PatchState
 
@@ -49,6 +46,7 @@ __all__ = [
     "CALL_FLAGS",
     "FORWARD_SETS",
     "OUTPUT_ATTRS",
+    "PatchLoss",
     "is_liger_forward",
     "make_liger_forward",
     "set_by_forward",
@@ -86,49 +84,61 @@ def set_by_forward(names: list[str]) -> str:
     return "; ".join(f"{name} ({_SOURCES[name]})" for name in names)
 
 
-def _head_loss(
-    head: nn.Module,
-    state: PatchState,
-    flags: dict[str, bool],
-    logits: DeferredLogits,
-    targets: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    num_items_in_batch: Any,
-    label_smoothing: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(loss, outputs)`` of deferred logits through the fused op (the head's own call when
-    FSDP2 / ZeRO-3 owns its weight), with the options this call sets; ``outputs`` are the op's
-    other outputs by name."""
-    logit_scale, softcap = logits.loss_math()
-    per_call = dict(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        # Read from the options rebuilt from their key: under torch.compile the numbers inside the
-        # patch's own options object are traced as symbols, and the options must be constants.
-        return_z_loss=build_options(state.options.key).z_loss_scale > 0,
-        **{name: True for name, on in flags.items() if on},
-        **state.budget_changes(),
-    )
-    if label_smoothing:
-        per_call["label_smoothing"] = label_smoothing
-    state.fused_ran = True
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(logits.device)
-    hidden = logits.hidden
-    result = fused_head_loss(
-        head,
-        hidden.reshape(-1, hidden.shape[-1]),
-        targets.reshape(-1),
-        options=state.options,
-        num_items_in_batch=num_items_in_batch,
-        **per_call,
-    )
-    if not isinstance(result, tuple):
-        return result, {}
-    return result.loss, dict(zip(result._fields[1:], result[1:], strict=True))
+@dataclass(frozen=True)
+class PatchLoss:
+    """The patched forward's side of the loss seam (``seam.DeferredLoss``): the fused loss with
+    the patch's options, the options this call sets (:data:`FORWARD_SETS`, from the request and
+    the head math) and the call's ``CALL_FLAGS`` (``flags``), through the head's own call when
+    FSDP2 / ZeRO-3 owns its weight (``sharded_head.fused_head_loss``)."""
+
+    state: PatchState
+    flags: dict[str, bool]
+
+    def __call__(
+        self,
+        *,
+        head: nn.Module,
+        hidden: torch.Tensor,
+        logit_scale: float | None,
+        softcap: float | None,
+        request: LossRequest,
+    ) -> LossResult:
+        per_call = self._per_call_options(request, logit_scale, softcap)
+        self.state.fused_ran = True
+        num_items_in_batch = request.num_items_in_batch
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(hidden.device)
+        result = fused_head_loss(
+            head,
+            hidden.reshape(-1, hidden.shape[-1]),
+            request.targets.reshape(-1),
+            options=self.state.options,
+            num_items_in_batch=num_items_in_batch,
+            **per_call,
+        )
+        if not isinstance(result, tuple):
+            return result, {}
+        return result.loss, dict(zip(result._fields[1:], result[1:], strict=True))
+
+    def _per_call_options(
+        self, request: LossRequest, logit_scale: float | None, softcap: float | None
+    ) -> dict[str, Any]:
+        """The options this call sets (:data:`FORWARD_SETS`, a smoothing the loss call asked for,
+        the call's flags, the batch budget) over the patch's own."""
+        per_call = dict(
+            ignore_index=request.ignore_index,
+            reduction=request.reduction,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            # Read from the options rebuilt from their key: under torch.compile the numbers inside the
+            # patch's own options object are traced as symbols, and the options must be constants.
+            return_z_loss=build_options(self.state.options.key).z_loss_scale > 0,
+            **{name: True for name, on in self.flags.items() if on},
+            **self.state.budget_changes(),
+        )
+        if request.label_smoothing:
+            per_call["label_smoothing"] = request.label_smoothing
+        return per_call
 
 
 def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -148,27 +158,7 @@ def _stock_causal_loss(model: nn.Module) -> bool:
         return False
 
 
-def _run_captured(
-    model: nn.Module, run: Callable, args: tuple, kwargs: dict, path: str, head: nn.Module, call: FusedCall
-) -> Any:
-    """``run(model, *args, **kwargs)`` with the module at ``path`` replaced by a capture of
-    ``head`` (wearing the registered module's face) and the stock causal-LM loss swapped, both
-    restored afterwards whatever happens."""
-    parent, name = _parent_and_name(model, path)
-    registered = parent._modules[name]
-    swap_loss = _stock_causal_loss(model)
-    parent._modules[name] = HeadCapture(head, call, registered)
-    if swap_loss:
-        model.__dict__["_loss_function"] = causal_lm_loss
-    try:
-        return run(model, *args, **kwargs)
-    finally:
-        parent._modules[name] = registered
-        if swap_loss:
-            delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
-
-
-def _finish(model: nn.Module, output: Any, call: FusedCall, state: PatchState) -> Any:
+def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState) -> Any:
     """The output with deferred logits replaced (``None``, or real with ``LIGER_RETURN_LOGITS=1``)
     and ``z_loss`` attached; refused when the forward computed no loss from its logits."""
     if call.head_calls and not call.losses:
@@ -202,10 +192,23 @@ def fused_forward(
     head: nn.Module,
     flags: dict[str, bool] | None = None,
 ) -> Any:
-    """The fused path: the model's own forward with deferred logits and the fused loss
-    (``flags``: the call's ``CALL_FLAGS``)."""
-    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state, flags or {}))
-    output = _run_captured(model, run, args, kwargs, path, head, call)
+    """The fused path: ``run(model, *args, **kwargs)``, the model's own forward, with the module at
+    ``path`` replaced by a capture of ``head`` (wearing the registered module's face) and the
+    stock causal-LM loss swapped, both restored afterwards whatever happens; its losses come from
+    :class:`PatchLoss` (``flags``: the call's ``CALL_FLAGS``)."""
+    call = CapturedCall(compute_loss=PatchLoss(state, flags or {}))
+    parent, name = _parent_and_name(model, path)
+    registered = parent._modules[name]
+    swap_loss = _stock_causal_loss(model)
+    parent._modules[name] = HeadCapture(head, call, registered)
+    if swap_loss:
+        model.__dict__["_loss_function"] = causal_lm_loss
+    try:
+        output = run(model, *args, **kwargs)
+    finally:
+        parent._modules[name] = registered
+        if swap_loss:
+            delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
     if not call.head_calls:
         _note_unfusable(model, state, "its forward never called its output projection (the loss is its own)")
     return _finish(model, output, call, state)

@@ -38,6 +38,7 @@ what to do, never a shape error from deep inside a kernel.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -216,9 +217,9 @@ def _check_gathered(head: nn.Module) -> None:
             )
 
 
-def _loss_from_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
-    """The fused loss from the head's tensors as they are now: whole (``fused_loss``), or this
-    rank's vocabulary shard (``vocab_parallel_loss``)."""
+def _op_on_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
+    """The op on the head's tensors as they are now: whole (``fused_loss``), or this rank's
+    vocabulary shard (``vocab_parallel_loss``)."""
     found = vocab_shard(head)
     if found is None:
         _check_gathered(head)
@@ -233,23 +234,17 @@ def _loss_from_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch
     return vocab_parallel_loss(hidden, found.weight, labels, found.bias, shard=found.shard, **loss_kwargs)
 
 
-def _call_head_as_fused_loss(
-    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any
-) -> Any:
-    """``head(hidden)`` with the fused loss as the head's forward for this one call.
+def _inside_head_call(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any) -> Any:
+    """``head(hidden)`` with :func:`_op_on_head_tensors` as the head's forward for this one call.
 
     The call has the original's exact form (one positional tensor), so every hook sees what it
     sees for ``lm_head(hidden)``: FSDP2 casts ``hidden`` to its ``param_dtype``, a hook that
     rewrites the inputs keeps working, and the labels and ``loss_kwargs`` (the options, a float
-    ``num_items_in_batch`` tensor included) reach the op untouched, through the closure. A
+    ``num_items_in_batch`` tensor included) reach the op untouched, bound to that forward. A
     forward that transformers' tensor parallelism put on the instance is set aside for the call.
     """
-
-    def fused_loss_forward(hidden_in: torch.Tensor) -> Any:
-        return _loss_from_head_tensors(head, hidden_in, labels, **loss_kwargs)
-
     own = vars(head).get("forward")
-    head.forward = fused_loss_forward
+    head.forward = functools.partial(_op_on_head_tensors, head, labels=labels, **loss_kwargs)
     try:
         return head(hidden)
     finally:
@@ -279,5 +274,5 @@ def fused_head_loss(
     """
     loss_kwargs = dict(options=options, num_items_in_batch=num_items_in_batch, **overrides)
     if not head_weight_is_managed(head):
-        return _loss_from_head_tensors(head, hidden, labels, **loss_kwargs)
-    return _call_head_as_fused_loss(head, hidden, labels, **loss_kwargs)
+        return _op_on_head_tensors(head, hidden, labels, **loss_kwargs)
+    return _inside_head_call(head, hidden, labels, **loss_kwargs)

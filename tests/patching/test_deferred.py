@@ -3,8 +3,6 @@ fused loss (checked against an fp64 dense reference, gradients included) or refu
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
@@ -13,16 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liger_patch.ops.options import LossOptions
-from liger_patch.patching.deferred import (
-    DeferredLogits,
-    FusedCall,
-    HeadCapture,
-    UnfusableLogitsUse,
-    causal_lm_loss,
-    replace_deferred,
-)
-from liger_patch.patching.forward import _head_loss
+from liger_patch.patching.capture import HeadCapture
+from liger_patch.patching.causal_loss import causal_lm_loss
+from liger_patch.patching.deferred import DeferredLogits, replace_deferred
+from liger_patch.patching.forward import PatchLoss
 from liger_patch.patching.registry import ModelSpec
+from liger_patch.patching.seam import CapturedCall, UnfusableLogitsUse
 from liger_patch.patching.state import PatchState
 
 H, V = 24, 37  # sizes that divide no block size
@@ -36,9 +30,9 @@ def make_head(bias: bool = True, seed: int = 0) -> nn.Linear:
     return head
 
 
-def make_capture(head: nn.Module, **options) -> tuple[HeadCapture, FusedCall]:
+def make_capture(head: nn.Module, **options) -> tuple[HeadCapture, CapturedCall]:
     state = PatchState(ModelSpec("test", "Test"), LossOptions(**options))
-    call = FusedCall(loss_fn=functools.partial(_head_loss, head, state, {}))
+    call = CapturedCall(compute_loss=PatchLoss(state, {}))
     return HeadCapture(head, call), call
 
 
@@ -222,6 +216,13 @@ def test_every_other_use_of_the_logits_is_refused_by_name(use, named):
             result.loss_math()
 
 
+@pytest.mark.parametrize("operator", DeferredLogits.REFUSED_OPERATORS)
+def test_every_refused_operator_is_refused_by_name(operator):
+    deferred = make_capture(make_head())[0](hidden_states())
+    with pytest.raises(UnfusableLogitsUse, match=f"it applies {operator} to the logits"):
+        getattr(deferred, operator)(1.0)
+
+
 def test_vocab_size_other_than_the_head_is_refused():
     capture, _ = make_capture(make_head())
     with pytest.raises(UnfusableLogitsUse, match="vocab_size=40"):
@@ -299,7 +300,7 @@ def test_the_capture_wears_the_registered_modules_face():
     copy), the capture reads the fused head's weight but answers as the registered module."""
     registered = nn.Sequential(make_head())
     active = make_head(seed=3)
-    call = FusedCall(loss_fn=None)
+    call = CapturedCall(compute_loss=None)
     capture = HeadCapture(active, call, registered)
     assert isinstance(capture, nn.Sequential) and capture.weight is active.weight
     assert [n for n, _ in capture.named_parameters()] == ["0.weight", "0.bias"]
