@@ -22,7 +22,10 @@ loss (z-loss, label smoothing) do not apply there: TRL's loss is built from the 
 (said once, when set). Its tuning, backend and memory budget do.
 
 :func:`install` runs when ``apply_liger_to`` patches something with TRL imported; if TRL is
-installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads.
+installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads. This
+module registers that with ``apply_liger_to`` (``patching.apply.after_apply``) when it is
+imported, which ``import liger_patch`` does (``liger_patch.integrations``): patching never
+imports an integration.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
 from liger_patch.ops.logprobs import temperature_options
 from liger_patch.ops.options import LossOptions, build_options, constant_changes
 from liger_patch.ops.torch_ce import final_logits
+from liger_patch.patching.apply import after_apply
 from liger_patch.patching.sharded_head import is_zero3_partitioned
 from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
@@ -244,3 +248,6 @@ def install_when_imported() -> None:
         isinstance(finder, _InstallOnImport) for finder in sys.meta_path
     ):
         sys.meta_path.insert(0, _InstallOnImport())
+
+
+after_apply(install_when_imported)  # TRL's trainers call their own kernel, not the forward: route it to us

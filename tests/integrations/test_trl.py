@@ -265,6 +265,32 @@ def test_unpatched_models_keep_trls_kernel(tmp_path, op_calls):
     assert not op_calls and torch.isfinite(out.loss)
 
 
+_HOOK_PROBE = """
+import sys
+import liger_patch as lp
+from liger_patch.integrations import trl as head
+{before}
+lp.apply_liger_to("llama")
+{after}
+print(head.installed())
+"""
+
+
+@pytest.mark.parametrize("trl_first", [True, False], ids=["trl-imported-first", "trl-imported-later"])
+def test_the_hook_is_installed_whichever_is_imported_first(trl_first):
+    """In a fresh interpreter: with TRL imported before ``apply_liger_to`` the patch installs the
+    hook at once; imported after, the import hook installs it when ``trl.trainer.utils`` loads.
+    Before any patch, importing liger_patch installs nothing."""
+    import subprocess
+
+    before = "import trl.trainer.utils\nassert not head.installed()" if trl_first else ""
+    after = "" if trl_first else "import trl.trainer.utils"
+    probe = _HOOK_PROBE.format(before=before, after=after)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_fields_equal_trls_kernel_for_every_output_and_head_math():
     """The five fields at a temperature, with a scale, softcap and bias, against TRL's kernel:
     values and the gradients of log-probs and entropy."""
