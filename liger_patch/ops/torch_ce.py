@@ -8,6 +8,8 @@ per-row outputs, the entropy's gradient) are described in ``row_io``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from liger_patch.ops.options import LossOptions
@@ -91,24 +93,8 @@ def ce_rows_torch(
             coef_z = None if coef_z is None else coef_z * outputs.token_scale
 
     if grad is not None:
-        grad.copy_(
-            _grad(
-                z,
-                u,
-                lse,
-                keep,
-                in_block,
-                safe_labels,
-                w_label,
-                opts,
-                vocab_total,
-                col_offset,
-                coef_ce,
-                coef_z,
-                class_weight,
-                entropy_grad,
-            )
-        )
+        block = _Block(z, u, lse, keep, in_block, safe_labels, w_label, col_offset, vocab_total, class_weight)
+        grad.copy_(_grad(block, opts, coef_ce, coef_z, entropy_grad))
 
     if ce is None:
         return None, lse_in
@@ -133,46 +119,59 @@ def _write_outputs(
         outputs.token_scale.copy_(torch.where(keep, p_label, zero))
 
 
+@dataclass(frozen=True)
+class _Block:
+    """A chunk's rows as the gradient needs them: z = softcap(s * x) and u = s * x / c (``None``
+    without a softcap), the whole rows' log-sum-exp, the kept rows, the labels that fall in this
+    block of columns (``in_block``) at their local column (``safe_labels``, (rows, 1)), the labels'
+    class weights w_y (``None`` without class weights), and where the block sits in rows of
+    ``vocab_total`` columns."""
+
+    z: torch.Tensor
+    u: torch.Tensor | None
+    lse: torch.Tensor
+    keep: torch.Tensor
+    in_block: torch.Tensor
+    safe_labels: torch.Tensor
+    w_label: torch.Tensor | None
+    col_offset: int
+    vocab_total: int
+    class_weight: ClassWeight | None
+
+
 def _grad(
-    z,
-    u,
-    lse,
-    keep,
-    in_block,
-    safe_labels,
-    w_label,
-    opts,
-    vocab_total,
-    col_offset,
-    coef_ce,
-    coef_z,
-    class_weight,
-    entropy_grad,
+    block: _Block,
+    opts: LossOptions,
+    coef_ce: torch.Tensor,
+    coef_z: torch.Tensor,
+    entropy_grad: EntropyGrad | None,
 ) -> torch.Tensor:
     """d(loss)/dx of the chunk, 0 at ignored rows (the formulas are in docs/loss.md)."""
+    z, lse, class_weight, vocab_total = block.z, block.lse, block.class_weight, block.vocab_total
     eps = opts.label_smoothing
     # d ce / dz = a p - (1-e) w_y onehot(y) - e/V w ;  a = (1-e) w_y + e/V sum(w)  (a = 1 when w = 1)
     # d (s lse^2) / dz = 2 s lse p
-    w_y = 1.0 if w_label is None else w_label
+    w_y = 1.0 if block.w_label is None else block.w_label
     total = vocab_total if class_weight is None else class_weight.total
     a = (1.0 - eps) * w_y + eps / vocab_total * total
     coef_p = coef_ce * a + 2.0 * opts.z_loss_scale * lse * coef_z
     # p <= 1: with lse_in from another GEMM a logit may round above it (exp could overflow).
     p = torch.exp((z - lse.unsqueeze(-1)).clamp_max_(0.0))
     g = p * coef_p.unsqueeze(-1)
-    at_label = torch.where(in_block, coef_ce * (1.0 - eps) * w_y, 0.0)
-    g.scatter_add_(-1, safe_labels, -at_label.unsqueeze(-1))
+    at_label = torch.where(block.in_block, coef_ce * (1.0 - eps) * w_y, 0.0)
+    g.scatter_add_(-1, block.safe_labels, -at_label.unsqueeze(-1))
     if eps:
-        w_cols = 1.0 if class_weight is None else class_weight.weight[col_offset : col_offset + z.shape[-1]]
+        cols = slice(block.col_offset, block.col_offset + z.shape[-1])
+        w_cols = 1.0 if class_weight is None else class_weight.weight[cols]
         g -= (coef_ce * (eps / vocab_total)).unsqueeze(-1) * w_cols
     if entropy_grad is not None:
         # d H / dz_j = p_j (sum_k p_k z_k - z_j) = p_j (lse - z_j - H)
         shift = (lse - entropy_grad.entropy).unsqueeze(-1)
         g += entropy_grad.coef.unsqueeze(-1) * p * (shift - z)
-    if u is not None:
+    if block.u is not None:
         # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
-        e = torch.exp(-2.0 * u.abs())
+        e = torch.exp(-2.0 * block.u.abs())
         g *= 4.0 * e / (1.0 + e).square()
     if opts.logit_scale is not None:
         g *= opts.scale
-    return torch.where(keep.unsqueeze(-1), g, 0.0)
+    return torch.where(block.keep.unsqueeze(-1), g, 0.0)
