@@ -28,11 +28,65 @@ def final_logits(logits: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor,
     return opts.softcap * torch.tanh(u), u
 
 
-def _smoothing_sum(z: torch.Tensor, lse: torch.Tensor, class_weight: ClassWeight | None) -> torch.Tensor:
-    """The label-smoothing term per row times V: sum_j w_j (lse - z_j) (w = 1 without class weights)."""
-    if class_weight is None:
-        return z.shape[-1] * lse - z.sum(dim=-1)
-    return class_weight.total * lse - z @ class_weight.weight
+@dataclass(frozen=True)
+class RowStats:
+    """What a row's loss is made of, over all V columns of the row (z its final logits, w the
+    class weights, 1 without): ``lse`` = logsumexp_j z_j, ``label_logit`` = z_y and, with label
+    smoothing, ``logit_sum`` = sum_j w_j z_j (``None`` without). The row kernel forms them from
+    whole rows; the vocabulary-parallel loss combines every shard's (``shard_stats.combine``)."""
+
+    lse: torch.Tensor
+    label_logit: torch.Tensor
+    logit_sum: torch.Tensor | None = None
+
+
+def _label_weight(class_weight: ClassWeight | None, labels: torch.Tensor, keep: torch.Tensor):
+    """w_y per row (``None`` without class weights; any weight at ignored rows)."""
+    return None if class_weight is None else class_weight.weight[torch.where(keep, labels, 0)]
+
+
+def row_loss(
+    stats: RowStats,
+    labels: torch.Tensor,
+    opts: LossOptions,
+    class_weight: ClassWeight | None,
+    vocab: int,
+    *,
+    token_scaling: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's cross-entropy from its statistics: the one statement of the row math, which
+    the PyTorch row kernel and the vocabulary-parallel loss both run (docs/loss.md).
+
+    ``ce = (1-e) w_y (lse - z_y) + e/V (lse sum_j w_j - sum_j w_j z_j)`` (e: label smoothing),
+    times the token scale t = p_y = exp(z_y - lse) when ``token_scaling`` (the row kernels turn it
+    on by their ``token_scale`` record, ``row_io``; the vocabulary-parallel loss by the option).
+    Returns ``(ce, t)`` (``t`` is ``None`` without token scaling), both 0 at ignored rows. The
+    z-loss term, ``z_loss_scale * lse^2`` times the same t, is formed by the caller from lse."""
+    keep = labels != opts.ignore_index
+    ce = stats.lse - stats.label_logit
+    w_label = _label_weight(class_weight, labels, keep)
+    if w_label is not None:
+        ce = w_label * ce
+    if opts.label_smoothing:
+        eps = opts.label_smoothing
+        total = vocab if class_weight is None else class_weight.total
+        ce = (1.0 - eps) * ce + eps / vocab * (total * stats.lse - stats.logit_sum)
+    zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
+    ce = torch.where(keep, ce, zero)
+    if not token_scaling:
+        return ce, None
+    token_scale = torch.where(keep, torch.exp((stats.label_logit - stats.lse).clamp_max(0.0)), zero)
+    return ce * token_scale, token_scale
+
+
+def _row_stats(
+    z: torch.Tensor, safe_labels: torch.Tensor, opts: LossOptions, class_weight: ClassWeight | None
+) -> RowStats:
+    """:class:`RowStats` of whole rows of final logits ``z``."""
+    logit_sum = None
+    if opts.label_smoothing:
+        logit_sum = z.sum(dim=-1) if class_weight is None else z @ class_weight.weight
+    return RowStats(torch.logsumexp(z, dim=-1), z.gather(-1, safe_labels).squeeze(-1), logit_sum)
 
 
 def ce_rows_torch(
@@ -70,27 +124,24 @@ def ce_rows_torch(
     in_block = keep & (local >= 0) & (local < vocab)
     safe_labels = torch.where(in_block, local, 0).unsqueeze(-1)
     # w_y (1 without class weights): the label's weight, whether or not it is in this block
-    w_label = None if class_weight is None else class_weight.weight[torch.where(keep, labels, 0)]
+    w_label = _label_weight(class_weight, labels, keep)
 
     z, u = final_logits(logits, opts)
-    ce = None
+    ce = token_scale = None
     if lse_in is None:
-        lse = torch.logsumexp(z, dim=-1)
-        ce = lse - z.gather(-1, safe_labels).squeeze(-1)
-        if w_label is not None:
-            ce = w_label * ce
-        if opts.label_smoothing:
-            eps = opts.label_smoothing
-            ce = (1.0 - eps) * ce + eps / vocab * _smoothing_sum(z, lse, class_weight)
+        stats = _row_stats(z, safe_labels, opts, class_weight)
+        scaling = outputs is not None and outputs.token_scale is not None
+        ce, token_scale = row_loss(stats, labels, opts, class_weight, vocab, token_scaling=scaling)
+        lse = stats.lse
     else:
         lse = torch.where(keep, lse_in, 0.0)
 
     if outputs is not None:
-        _write_outputs(outputs, z, lse, labels, keep)
-        if outputs.token_scale is not None:
-            ce = ce * outputs.token_scale
-            coef_ce = None if coef_ce is None else coef_ce * outputs.token_scale
-            coef_z = None if coef_z is None else coef_z * outputs.token_scale
+        _write_outputs(outputs, z, lse, keep)
+    if token_scale is not None:
+        outputs.token_scale.copy_(token_scale)
+        coef_ce = None if coef_ce is None else coef_ce * token_scale
+        coef_z = None if coef_z is None else coef_z * token_scale
 
     if grad is not None:
         block = _Block(z, u, lse, keep, in_block, safe_labels, w_label, col_offset, vocab_total, class_weight)
@@ -98,25 +149,18 @@ def ce_rows_torch(
 
     if ce is None:
         return None, lse_in
-    zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    return torch.where(keep, ce, zero), torch.where(keep, lse, zero)
+    return ce, torch.where(keep, lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
 
 
-def _write_outputs(
-    outputs: RowOutputs, z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor
-) -> None:
-    """Fill the requested per-row outputs (see ``RowOutputs``) for whole rows of ``z``."""
-    zero = torch.zeros((), dtype=torch.float32, device=z.device)
+def _write_outputs(outputs: RowOutputs, z: torch.Tensor, lse: torch.Tensor, keep: torch.Tensor) -> None:
+    """Fill the requested argmax and entropy rows (see ``RowOutputs``) for whole rows of ``z``
+    (the token scale is ``row_loss``'s)."""
     if outputs.argmax is not None:
         outputs.argmax.copy_(torch.where(keep, z.argmax(dim=-1), -1))
-    p = None
-    if outputs.entropy is not None or outputs.token_scale is not None:
-        p = torch.exp((z - lse.unsqueeze(-1)).clamp_max(0.0))
     if outputs.entropy is not None:
+        p = torch.exp((z - lse.unsqueeze(-1)).clamp_max(0.0))
+        zero = torch.zeros((), dtype=torch.float32, device=z.device)
         outputs.entropy.copy_(torch.where(keep, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), zero))
-    if outputs.token_scale is not None:
-        p_label = p.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
-        outputs.token_scale.copy_(torch.where(keep, p_label, zero))
 
 
 @dataclass(frozen=True)
