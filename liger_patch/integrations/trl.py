@@ -17,9 +17,10 @@ exactly as it does without liger_patch. The model is the ``self`` of TRL's fused
 caller's frame (the kernel receives only tensors).
 
 TRL's head math is kept: logits ``z = softcap(logit_scale * (h W^T + b)) / temperature``, the
-scale and softcap TRL read from the model's config. The patch's loss options that change the
-loss (z-loss, label smoothing) do not apply there: TRL's loss is built from the log-probs alone
-(said once, when set). Its tuning, backend and memory budget do.
+scale and softcap TRL read from the model's config. The patch's options of the loss-math kind
+(``OptionKind.LOSS``: z-loss, label smoothing, token scaling, ...) do not apply there: TRL's loss
+is built from the log-probs alone (said once, naming those set), and its output options neither
+(TRL asks for its own fields). Its runtime options (tuning, backend, memory budget) do.
 
 :func:`install` runs when ``apply_liger_to`` patches something with TRL imported; if TRL is
 installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads. This
@@ -42,7 +43,14 @@ import torch.nn as nn
 
 from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
 from liger_patch.ops.logprobs import temperature_options
-from liger_patch.ops.options import LossOptions, build_options, constant_changes
+from liger_patch.ops.options import (
+    LOSS_OPTIONS,
+    LossOptions,
+    OptionKind,
+    build_options,
+    constant_changes,
+    option_defaults,
+)
 from liger_patch.ops.torch_ce import final_logits
 from liger_patch.patching.apply import after_apply
 from liger_patch.patching.sharded_head import is_zero3_partitioned
@@ -102,12 +110,12 @@ def fused_log_prob_fields(
     math_options: dict[str, float | None],
     outputs: Sequence[str],
 ) -> tuple[torch.Tensor | None, ...]:
-    """TRL's five per-token fields through the fused op (log-probs and entropy differentiable)."""
+    """TRL's five per-token fields through the fused op (log-probs and entropy differentiable):
+    TRL's head math and fields, the patch's runtime options."""
     want_top1 = "is_top1" in outputs
     changes = dict(
+        option_defaults(OptionKind.LOSS, OptionKind.OUTPUT),
         reduction="none",
-        z_loss_scale=0.0,
-        label_smoothing=0.0,
         return_entropy="entropy" in outputs,
         return_predicted_tokens=want_top1,
         **math_options,
@@ -189,9 +197,8 @@ def _note_bypass(state: PatchState, reason: str) -> None:
 
 
 def _warn_unused_loss_options(state: PatchState) -> None:
-    options = state.options
-    values = {"z_loss_scale": options.z_loss_scale, "label_smoothing": options.label_smoothing}
-    unused = [name for name, value in values.items() if value]
+    changed = state.options.changed()
+    unused = [name for name in LOSS_OPTIONS if name in changed]
     if unused and not state.warned_trl_options:
         state.warned_trl_options = True
         warnings.warn(
