@@ -4,6 +4,9 @@ It has the same contract as the Triton row kernel (``triton/rows.py``'s ``ce_row
 of logits ``x = W h + b`` it returns the per-row cross-entropy and log-sum-exp and, when
 row coefficients are given, writes d(loss)/dx into ``grad``. The extra records (class weights,
 per-row outputs, the entropy's gradient) are described in ``row_io``.
+
+A row's loss from its statistics (:func:`row_loss`) is the one statement of the row math outside
+the Triton kernel: the vocabulary-parallel loss runs it too, on statistics combined over shards.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class RowStats:
     logit_sum: torch.Tensor | None = None
 
 
-def _label_weight(class_weight: ClassWeight | None, labels: torch.Tensor, keep: torch.Tensor):
+def _label_weight(
+    class_weight: ClassWeight | None, labels: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor | None:
     """w_y per row (``None`` without class weights; any weight at ignored rows)."""
     return None if class_weight is None else class_weight.weight[torch.where(keep, labels, 0)]
 
