@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import liger_patch.integrations  # noqa: F401 - integrations register their hooks with patching
 from liger_patch.ops import (
     FusedLinearCrossEntropyLoss,
     LogProbs,

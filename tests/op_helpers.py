@@ -12,6 +12,7 @@ import math
 import torch
 
 import liger_patch as lp
+from liger_patch.ops.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
 from liger_patch.ops.reference import reference_flce
 
 BACKENDS = ["torch", "triton"]
@@ -129,13 +130,75 @@ def make_case(
     )
 
 
-def materialize_options(opts: dict, device) -> dict:
-    """Options with num_items_in_batch given as ("tensor", value, dtype) made a tensor on the device
-    (parametrize ids must not hold tensors)."""
+COMBINED = dict(label_smoothing=0.15, z_loss_scale=2e-2, softcap=4.0, logit_scale=1.6, return_z_loss=True)
+RANDOM_CLASS_WEIGHT = ("random", 0.5)
+"""``class_weight=`` in a case: weights drawn uniformly from [0.5, 1.5), one per class."""
+OUTPUTS = dict(return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True)
+ALL_OPTIONS = dict(COMBINED, **OUTPUTS, class_weight=RANDOM_CLASS_WEIGHT)
+"""Every option at once but token scaling: that shrinks the loss's gradient by p_y, leaving the
+entropy's (a sum formed by cancellation) the largest part of grad_h, with an fp32 error of ~1e-5
+of it at V = 1001 (tests/ops/test_outputs.py checks that with its own floors)."""
+
+# id -> (make_case kwargs, op kwargs): every option of the loss math (and class weights) and every
+# output, one at a time, then combined. tests/ops/test_parity.py runs them against the fp64
+# reference on both backends and tests/ops/vocab_parallel_workers.py on a vocabulary-sharded head;
+# tests/ops/test_parity.py checks that they set every loss-math and output option of LossOptions.
+OPTION_CASES = {
+    "plain": ({}, {}),
+    "bias": ({"bias": True}, {}),
+    "ignore_index_-1": ({"ignore_index": -1}, {"ignore_index": -1}),
+    "ignore_index_1000": ({"ignore_index": 1000}, {"ignore_index": 1000}),
+    "ignore_index_in_vocab": ({"ignore_index": 7}, {"ignore_index": 7}),
+    "reduction_sum": ({}, {"reduction": "sum"}),
+    "reduction_none": ({}, {"reduction": "none"}),
+    "num_items_int": ({}, {"num_items_in_batch": 50}),
+    "num_items_int_tensor": ({}, {"num_items_in_batch": ("tensor", 23, torch.int64)}),
+    "num_items_float_tensor": ({}, {"num_items_in_batch": ("tensor", 41.5, torch.float32)}),
+    "label_smoothing": ({}, {"label_smoothing": 0.1}),
+    "label_smoothing_1": ({}, {"label_smoothing": 1.0}),
+    "z_loss": ({}, {"z_loss_scale": 2e-2, "return_z_loss": True}),
+    "z_loss_not_returned": ({}, {"z_loss_scale": 2e-2}),
+    "z_loss_none": ({}, {"z_loss_scale": 2e-2, "return_z_loss": True, "reduction": "none"}),
+    "softcap": ({}, {"softcap": 4.0}),
+    "softcap_tight": ({}, {"softcap": 0.7}),
+    "logit_scale_up": ({}, {"logit_scale": 1.7}),
+    "logit_scale_down": ({}, {"logit_scale": 0.25}),
+    "softcap_and_scale": ({"bias": True}, {"softcap": 3.0, "logit_scale": 0.6}),
+    "token_scaling": ({}, {"use_token_scaling": True}),
+    "token_scaling_z_loss_none": (
+        {},
+        {"use_token_scaling": True, "z_loss_scale": 2e-2, "return_z_loss": True, "reduction": "none"},
+    ),
+    "class_weight": ({}, {"class_weight": RANDOM_CLASS_WEIGHT}),
+    "class_weight_smoothing_sum": (
+        {"bias": True},
+        {"class_weight": RANDOM_CLASS_WEIGHT, "label_smoothing": 0.1, "reduction": "sum"},
+    ),
+    "outputs": ({}, dict(OUTPUTS)),
+    "outputs_none": ({}, dict(OUTPUTS, reduction="none")),
+    "combined_mean": ({"bias": True}, dict(COMBINED)),
+    "combined_sum": ({"bias": True}, dict(COMBINED, reduction="sum")),
+    "combined_none": ({"bias": True}, dict(COMBINED, reduction="none")),
+    "combined_num_items": (
+        {"bias": True, "ignore_index": -1},
+        dict(COMBINED, ignore_index=-1, num_items_in_batch=("tensor", 61.0, torch.float32)),
+    ),
+    "all_options": ({"bias": True}, dict(ALL_OPTIONS)),
+    "all_options_none": ({"bias": True}, dict(ALL_OPTIONS, reduction="none")),
+}
+
+
+def materialize_options(opts: dict, device, vocab: int | None = None) -> dict:
+    """Options with num_items_in_batch given as ("tensor", value, dtype) made a tensor on the device,
+    and ``RANDOM_CLASS_WEIGHT`` made ``vocab`` weights (parametrize ids must not hold tensors)."""
     out = dict(opts)
     n = out.get("num_items_in_batch")
     if isinstance(n, tuple):
         out["num_items_in_batch"] = torch.tensor(n[1], dtype=n[2], device=device)
+    if out.get("class_weight") == RANDOM_CLASS_WEIGHT:
+        low = RANDOM_CLASS_WEIGHT[1]
+        gen = torch.Generator().manual_seed(vocab)
+        out["class_weight"] = (torch.rand(vocab, generator=gen) + low).to(device)
     return out
 
 
@@ -163,10 +226,14 @@ def call_raw(hidden, weight, labels, bias=None, **opts):
     return lp.fused_linear_cross_entropy(hidden, weight, labels, bias, **opts)
 
 
+NOT_MATH = options_of_kind(OptionKind.OUTPUT, OptionKind.RUNTIME)
+"""Options the fp64 reference does not take: outputs, and how the op runs."""
+
+
 def reference_for(case: Case, **opts):
     """fp64 reference on CPU. Returns (loss, z_loss, leaves) where leaves mirror requires_grad."""
-    for how_not_what in ("return_z_loss", "backend", "logits_dtype", "memory_budget", "tuning"):
-        opts.pop(how_not_what, None)  # options of the computation, not of the math
+    for how_not_what in NOT_MATH:
+        opts.pop(how_not_what, None)
     opts.setdefault("ignore_index", case.ignore_index)
     leaves = {
         k: t.detach().cpu().to(torch.float64).requires_grad_(t.requires_grad)
@@ -202,16 +269,18 @@ def assert_close(
 
 
 def check_parity(case: Case, gen: torch.Generator, *, tol: float, z_weight=None, **opts) -> None:
-    """Forward + backward through the op with random upstream gradients and compare values and
-    gradients of every input that requires grad with the fp64 reference.
+    """Forward + backward through the op with random upstream gradients and compare the loss (and
+    z_loss) and the gradients of every input that requires grad with the fp64 reference. Other
+    outputs asked for must come back, by name (tests/ops/test_outputs.py checks their values).
 
     z_weight: when return_z_loss=True, also backprop z_loss with this upstream (None: random)."""
     out = call_op(case, **opts)
-    if opts.get("return_z_loss"):
-        assert isinstance(out, tuple) and len(out) == 2, "return_z_loss=True must return (loss, z_loss)"
-        loss, z = out
+    asked = tuple(name for name, flag in OUTPUT_FLAGS.items() if opts.get(flag))
+    if asked:
+        assert isinstance(out, tuple) and out._fields == ("loss", *asked), f"expected (loss, {asked})"
+        loss, z = out.loss, getattr(out, "z_loss", None)
     else:
-        assert isinstance(out, torch.Tensor), "return_z_loss=False must return a tensor"
+        assert isinstance(out, torch.Tensor), "no output asked for: the op must return a tensor"
         loss, z = out, None
 
     ref_loss, ref_z, leaves = reference_for(case, **opts)
@@ -246,12 +315,7 @@ def check_parity(case: Case, gen: torch.Generator, *, tol: float, z_weight=None,
 
 # ---------------------------------------------------------------- optional outputs (additive)
 
-OUTPUT_FLAGS = {
-    "z_loss": "return_z_loss",
-    "token_accuracy": "return_token_accuracy",
-    "predicted_tokens": "return_predicted_tokens",
-    "entropy": "return_entropy",
-}
+OUTPUT_FLAGS = {flag.removeprefix("return_"): flag for flag in OUTPUT_OPTIONS}
 """Each optional output of the op (in the order the named tuple lists them) and its flag."""
 
 
@@ -263,7 +327,7 @@ def reference_outputs_for(case: Case, **opts) -> dict:
     ``class_weight`` may be a tensor of any float dtype and layout: its values are used."""
     from liger_patch.ops.reference import reference_token_outputs
 
-    for how_not_what in ("backend", "logits_dtype", "memory_budget", "tuning", *OUTPUT_FLAGS.values()):
+    for how_not_what in NOT_MATH:
         opts.pop(how_not_what, None)
     opts.setdefault("ignore_index", case.ignore_index)
     leaves = {

@@ -17,12 +17,16 @@ exactly as it does without liger_patch. The model is the ``self`` of TRL's fused
 caller's frame (the kernel receives only tensors).
 
 TRL's head math is kept: logits ``z = softcap(logit_scale * (h W^T + b)) / temperature``, the
-scale and softcap TRL read from the model's config. The patch's loss options that change the
-loss (z-loss, label smoothing) do not apply there: TRL's loss is built from the log-probs alone
-(said once, when set). Its tuning, backend and memory budget do.
+scale and softcap TRL read from the model's config. The patch's options of the loss-math kind
+(``OptionKind.LOSS``: z-loss, label smoothing, token scaling, ...) do not apply there: TRL's loss
+is built from the log-probs alone (said once, naming those set), and its output options neither
+(TRL asks for its own fields). Its runtime options (tuning, backend, memory budget) do.
 
 :func:`install` runs when ``apply_liger_to`` patches something with TRL imported; if TRL is
-installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads.
+installed but not yet imported, an import hook runs it when ``trl.trainer.utils`` loads. This
+module registers that with ``apply_liger_to`` (``patching.apply.after_apply``) when it is
+imported, which ``import liger_patch`` does (``liger_patch.integrations``): patching never
+imports an integration.
 """
 
 from __future__ import annotations
@@ -39,8 +43,16 @@ import torch.nn as nn
 
 from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
 from liger_patch.ops.logprobs import temperature_options
-from liger_patch.ops.options import LossOptions, build_options, constant_changes
+from liger_patch.ops.options import (
+    LOSS_OPTIONS,
+    LossOptions,
+    OptionKind,
+    build_options,
+    constant_changes,
+    option_defaults,
+)
 from liger_patch.ops.torch_ce import final_logits
+from liger_patch.patching.apply import after_apply
 from liger_patch.patching.sharded_head import is_zero3_partitioned
 from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
@@ -98,12 +110,12 @@ def fused_log_prob_fields(
     math_options: dict[str, float | None],
     outputs: Sequence[str],
 ) -> tuple[torch.Tensor | None, ...]:
-    """TRL's five per-token fields through the fused op (log-probs and entropy differentiable)."""
+    """TRL's five per-token fields through the fused op (log-probs and entropy differentiable):
+    TRL's head math and fields, the patch's runtime options."""
     want_top1 = "is_top1" in outputs
     changes = dict(
+        option_defaults(OptionKind.LOSS, OptionKind.OUTPUT),
         reduction="none",
-        z_loss_scale=0.0,
-        label_smoothing=0.0,
         return_entropy="entropy" in outputs,
         return_predicted_tokens=want_top1,
         **math_options,
@@ -185,9 +197,8 @@ def _note_bypass(state: PatchState, reason: str) -> None:
 
 
 def _warn_unused_loss_options(state: PatchState) -> None:
-    options = state.options
-    values = {"z_loss_scale": options.z_loss_scale, "label_smoothing": options.label_smoothing}
-    unused = [name for name, value in values.items() if value]
+    changed = state.options.changed()
+    unused = [name for name in LOSS_OPTIONS if name in changed]
     if unused and not state.warned_trl_options:
         state.warned_trl_options = True
         warnings.warn(
@@ -244,3 +255,6 @@ def install_when_imported() -> None:
         isinstance(finder, _InstallOnImport) for finder in sys.meta_path
     ):
         sys.meta_path.insert(0, _InstallOnImport())
+
+
+after_apply(install_when_imported)  # TRL's trainers call their own kernel, not the forward: route it to us

@@ -5,11 +5,16 @@ options as keywords and build one ``LossOptions`` from them; that object travels
 the chunk loop and the row kernels. Adding an option is a field here (its default, its check
 in ``_checked``, its line in ``OPTION_DOCS``) plus its math in the row kernels; every entry
 point picks it up (docs/architecture.md walks through it).
+
+Every field carries its kind (:class:`OptionKind`: loss math, output or runtime), and every list
+of "the options of kind X" is derived from those tags (:func:`options_of_kind`): what TRL's
+log-prob head leaves out, what the vocabulary-parallel loss must know how to compute, ...
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 import json
@@ -27,6 +32,19 @@ Reduction = Literal["mean", "sum", "none"]
 BackendName = Literal["auto", "triton", "torch"]
 REDUCTIONS = ("mean", "sum", "none")
 BACKEND_NAMES = ("auto", "triton", "torch")
+
+
+class OptionKind(enum.Enum):
+    """What an option changes. Every ``LossOptions`` field carries one (``_option``)."""
+
+    LOSS = "loss math"  # the value or the gradient of the loss
+    OUTPUT = "output"  # adds an output; the loss and its gradients are unchanged
+    RUNTIME = "runtime"  # how the op runs (backend, memory, tuning): never what it computes
+
+
+def _option(default: Any, kind: OptionKind) -> Any:
+    """A ``LossOptions`` field: its default and its kind."""
+    return dataclasses.field(default=default, metadata={"kind": kind})
 
 
 def option_float(name: str, value: object) -> float:
@@ -50,21 +68,21 @@ class LossOptions:
     option as one string, which the registered operator takes (``LossOptions.from_key``).
     """
 
-    ignore_index: int = -100
-    reduction: Reduction = "mean"
-    label_smoothing: float = 0.0
-    z_loss_scale: float = 0.0
-    softcap: float | None = None
-    logit_scale: float | None = None
-    return_z_loss: bool = False
-    return_token_accuracy: bool = False
-    return_predicted_tokens: bool = False
-    return_entropy: bool = False
-    use_token_scaling: bool = False
-    backend: BackendName = "auto"
-    memory_budget: int | str | None = None
-    logits_dtype: torch.dtype | None = None
-    tuning: Tuning = DEFAULT_TUNING
+    ignore_index: int = _option(-100, OptionKind.LOSS)
+    reduction: Reduction = _option("mean", OptionKind.LOSS)
+    label_smoothing: float = _option(0.0, OptionKind.LOSS)
+    z_loss_scale: float = _option(0.0, OptionKind.LOSS)
+    softcap: float | None = _option(None, OptionKind.LOSS)
+    logit_scale: float | None = _option(None, OptionKind.LOSS)
+    return_z_loss: bool = _option(False, OptionKind.OUTPUT)
+    return_token_accuracy: bool = _option(False, OptionKind.OUTPUT)
+    return_predicted_tokens: bool = _option(False, OptionKind.OUTPUT)
+    return_entropy: bool = _option(False, OptionKind.OUTPUT)
+    use_token_scaling: bool = _option(False, OptionKind.LOSS)
+    backend: BackendName = _option("auto", OptionKind.RUNTIME)
+    memory_budget: int | str | None = _option(None, OptionKind.RUNTIME)
+    logits_dtype: torch.dtype | None = _option(None, OptionKind.RUNTIME)
+    tuning: Tuning = _option(DEFAULT_TUNING, OptionKind.RUNTIME)
 
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
@@ -109,6 +127,34 @@ class LossOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions))
+
+
+def option_kinds(cls: type) -> dict[str, OptionKind]:
+    """Each field of the dataclass ``cls`` and its kind; a field without one is refused, naming it."""
+    kinds = {f.name: f.metadata.get("kind") for f in dataclasses.fields(cls)}
+    untagged = [name for name, kind in kinds.items() if not isinstance(kind, OptionKind)]
+    if untagged:
+        raise TypeError(
+            f"{cls.__name__} fields without a kind: {untagged}; declare them as _option(default, kind)"
+        )
+    return kinds
+
+
+OPTION_KINDS = option_kinds(LossOptions)
+
+
+def options_of_kind(*kinds: OptionKind) -> tuple[str, ...]:
+    """The options of any of ``kinds``, in field order."""
+    return tuple(name for name, kind in OPTION_KINDS.items() if kind in kinds)
+
+
+def option_defaults(*kinds: OptionKind) -> dict[str, Any]:
+    """``{name: default}`` of the options of any of ``kinds``."""
+    return {f.name: f.default for f in dataclasses.fields(LossOptions) if OPTION_KINDS[f.name] in kinds}
+
+
+LOSS_OPTIONS = options_of_kind(OptionKind.LOSS)
+OUTPUT_OPTIONS = options_of_kind(OptionKind.OUTPUT)
 
 
 def _key(opts: LossOptions) -> str:
@@ -192,13 +238,8 @@ def _checked(opts: LossOptions) -> dict[str, Any]:
     )
 
 
-FLAG_NAMES = (
-    "return_z_loss",
-    "return_token_accuracy",
-    "return_predicted_tokens",
-    "return_entropy",
-    "use_token_scaling",
-)
+FLAG_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions) if f.type == "bool")
+"""The on/off options (annotated ``bool``), normalised by ``bool()``."""
 
 
 DEFAULT_OPTIONS = LossOptions()

@@ -93,7 +93,8 @@ def _chunk_stats(
         argmax=torch.empty_like(labels) if "argmax" in out else None,
         entropy=torch.empty(labels.shape, dtype=_F32, device=labels.device) if "entropy" in out else None,
     )
-    kernel_opts = build_options(opts.key, label_smoothing=0.0, use_token_scaling=False)
+    # Only lse and the records are read from the kernel: with smoothing its unused ce would sum every row.
+    kernel_opts = build_options(opts.key, label_smoothing=0.0)
     kernel_labels = _kernel_labels(labels, local, in_shard, opts)
     _, lse = backend.row_kernel(logits, kernel_labels, kernel_opts, outputs=rows if rows.any() else None)
     out["lse"].copy_(lse)

@@ -10,7 +10,8 @@ gradients are exactly those of the unsharded op:
   ``shard_stats`` over its columns (log-sum-exp, the label's logit when the label is in its
   shard, and what the options need); one all-gather brings every shard's numbers to every rank,
   which combines them (``shard_stats.combine``) into the rows' log-sum-exp, label logit, etc.,
-  and computes the loss: the same value on every rank;
+  and computes the loss with the row kernel's own row math (``torch_ce.row_loss``: an option of
+  the row math needs no edit here): the same value on every rank;
 * backward (three GEMMs per token): the chunked executor recomputes the shard's logits and turns
   them into d(loss)/d(logits) with the whole rows' log-sum-exp; the row kernels take a block of
   columns of wider rows (``col_offset``, ``vocab_total``), so labels outside the shard, label
@@ -58,6 +59,7 @@ from liger_patch.ops.options import (
     constant_changes,
 )
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad
+from liger_patch.ops.torch_ce import RowStats, row_loss
 
 __all__ = ["VocabShard", "shard_backend", "vocab_parallel_loss"]
 
@@ -180,24 +182,16 @@ class _Rows:
 def _rows(
     comb: dict[str, Tensor], labels: Tensor, opts: LossOptions, cw: ClassWeight | None, vocab: int
 ) -> _Rows:
-    """The loss terms per token from the combined values, as the row kernels compute them for
-    whole rows (docs/loss.md): 0 at ignored tokens."""
+    """The loss terms per token from the combined values, through the row kernel's own row math
+    (``torch_ce.row_loss``): 0 at ignored tokens."""
     keep = labels != opts.ignore_index
-    lse, z_label = comb["lse"], comb["label_logit"]
-    ce = lse - z_label
-    if cw is not None:
-        ce = cw.weight[torch.where(keep, labels, 0)] * ce
-    if opts.label_smoothing:
-        eps = opts.label_smoothing
-        total = vocab if cw is None else cw.total
-        ce = (1.0 - eps) * ce + eps / vocab * (total * lse - comb["logit_sum"])
-    zero = torch.zeros((), dtype=_F32, device=lse.device)
-    ce, lse = torch.where(keep, ce, zero), torch.where(keep, lse, zero)
-    token_scale = None
+    stats = RowStats(comb["lse"], comb["label_logit"], comb.get("logit_sum"))
+    ce, token_scale = row_loss(stats, labels, opts, cw, vocab, token_scaling=opts.use_token_scaling)
+    zero = torch.zeros((), dtype=_F32, device=labels.device)
+    lse = torch.where(keep, stats.lse, zero)
     z_rows = z_loss_rows(lse, opts)
-    if opts.use_token_scaling:
-        token_scale = torch.where(keep, torch.exp((z_label - lse).clamp_max(0.0)), zero)
-        ce, z_rows = ce * token_scale, z_rows * token_scale
+    if token_scale is not None:
+        z_rows = z_rows * token_scale
     argmax = comb.get("argmax")
     if argmax is not None:
         argmax = torch.where(keep, argmax, -1)

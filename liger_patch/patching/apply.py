@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from liger_patch.integrations.trl import install_when_imported as install_trl_head
 from liger_patch.ops.options import LossOptions, options_docstring, options_parameters
 from liger_patch.patching.derive import instance_refusal, spec_for, spec_for_model_type
 from liger_patch.patching.forward import FORWARD_SETS, is_liger_forward, make_liger_forward, set_by_forward
@@ -35,9 +34,28 @@ from liger_patch.patching.instance import (
 from liger_patch.patching.registry import ModelSpec, UnsupportedModelError
 from liger_patch.patching.state import STATE_ATTR, PatchState, base_model_of, own_state
 
-__all__ = ["apply_liger_to", "base_model_of", "checked_options", "liger_patched", "revert_liger"]
+__all__ = [
+    "after_apply",
+    "apply_liger_to",
+    "base_model_of",
+    "checked_options",
+    "liger_patched",
+    "revert_liger",
+]
 
 Target = TypeVar("Target", nn.Module, type, str)
+
+_AFTER_APPLY: list[Callable[[], None]] = []
+
+
+def after_apply(hook: Callable[[], None]) -> Callable[[], None]:
+    """Have ``hook()`` run at the end of every ``apply_liger_to`` that patched something (once
+    per hook, in registration order); returns ``hook``. How an integration that a patch needs
+    hooks in (TRL's log-prob kernel, ``integrations/trl.py``) while patching imports no
+    integration."""
+    if hook not in _AFTER_APPLY:
+        _AFTER_APPLY.append(hook)
+    return hook
 
 
 def _check_target(target: Any, caller: str) -> None:
@@ -181,7 +199,8 @@ def apply_liger_to(target: Target, *, strict: bool = True, **options: Any) -> Ta
         _install(obj, spec, loss_options)
         if not isinstance(obj, type):
             _warn_if_head_unfusable(obj)
-    install_trl_head()  # TRL's trainers call their own kernel, not the forward: route it to us
+    for hook in _AFTER_APPLY:
+        hook()
     return target
 
 

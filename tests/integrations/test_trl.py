@@ -265,6 +265,32 @@ def test_unpatched_models_keep_trls_kernel(tmp_path, op_calls):
     assert not op_calls and torch.isfinite(out.loss)
 
 
+_HOOK_PROBE = """
+import sys
+import liger_patch as lp
+from liger_patch.integrations import trl as head
+{before}
+lp.apply_liger_to("llama")
+{after}
+print(head.installed())
+"""
+
+
+@pytest.mark.parametrize("trl_first", [True, False], ids=["trl-imported-first", "trl-imported-later"])
+def test_the_hook_is_installed_whichever_is_imported_first(trl_first):
+    """In a fresh interpreter: with TRL imported before ``apply_liger_to`` the patch installs the
+    hook at once; imported after, the import hook installs it when ``trl.trainer.utils`` loads.
+    Before any patch, importing liger_patch installs nothing."""
+    import subprocess
+
+    before = "import trl.trainer.utils\nassert not head.installed()" if trl_first else ""
+    after = "" if trl_first else "import trl.trainer.utils"
+    probe = _HOOK_PROBE.format(before=before, after=after)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_fields_equal_trls_kernel_for_every_output_and_head_math():
     """The five fields at a temperature, with a scale, softcap and bias, against TRL's kernel:
     values and the gradients of log-probs and entropy."""
@@ -293,3 +319,66 @@ def test_fields_equal_trls_kernel_for_every_output_and_head_math():
     ours = torch.autograd.grad((got[0] * up[0] + got[1] * up[1]).sum(), (h, w, b))
     for name, e, g in zip("hwb", grads, ours, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+# A value other than the default for every loss-math and output option a patch takes (the forward
+# sets the others per call); a new option fails the test below until it has a value here.
+PATCH_OPTION_SAMPLES = {
+    "label_smoothing": 0.1,
+    "z_loss_scale": 1e-2,
+    "use_token_scaling": True,
+    "return_token_accuracy": True,
+    "return_predicted_tokens": True,
+    "return_entropy": True,
+}
+
+
+def _fields_with(seed: int, **options):
+    from liger_patch import apply_liger_to
+
+    model = tiny_model(seed=seed)
+    apply_liger_to(model, backend="torch", **options)
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(23, 64, generator=gen)
+    w = torch.randn(301, 64, generator=gen) * 0.2
+    y = torch.randint(0, 301, (23,), generator=gen)
+    math_options = trl_head.temperature_options(0.7, 1.3, 5.0)
+    return trl_head.fused_log_prob_fields(
+        h, w, None, y, model._liger_patch_state, math_options, trl_head.FIELDS[1:]
+    )
+
+
+@pytest.mark.parametrize("name", list(PATCH_OPTION_SAMPLES))
+def test_loss_and_output_options_leave_trls_fields_alone(name):
+    """TRL builds its loss from the log-probs: a patch's loss-math option (token scaling would
+    hand TRL p_y * log p_y) or output option changes none of the five fields."""
+    from liger_patch.ops.options import LOSS_OPTIONS, OUTPUT_OPTIONS
+    from liger_patch.patching.forward import FORWARD_SETS
+
+    assert set(PATCH_OPTION_SAMPLES) == set(LOSS_OPTIONS + OUTPUT_OPTIONS) - set(FORWARD_SETS)
+    expected = _fields_with(8)
+    got = _fields_with(8, **{name: PATCH_OPTION_SAMPLES[name]})
+    for field, e, g in zip(trl_head.FIELDS, expected, got, strict=True):
+        assert torch.equal(g, e), f"{name} changed TRL's {field}"
+
+
+def test_token_scaling_patch_gives_trl_log_probs_and_says_so(op_calls):
+    """``apply_liger_to(model, use_token_scaling=True, z_loss_scale=...)`` under TRL's fused head:
+    the log-probs and entropy equal TRL's own kernel's, and one warning names both options."""
+    from liger_patch import apply_liger_to
+
+    model, reference = tiny_model(seed=9), tiny_model(seed=9)
+    for m in (model, reference):
+        trl.trainer.utils.add_fused_lm_head(m, outputs=("entropy", "is_top1"))
+    apply_liger_to(model, backend="torch", use_token_scaling=True, z_loss_scale=1e-2)
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(2))
+    with pytest.warns(UserWarning, match="do not apply under TRL") as caught:
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    messages = [str(w.message) for w in caught if "do not apply under TRL" in str(w.message)]
+    assert len(messages) == 1 and "z_loss_scale, use_token_scaling" in messages[0], messages
+    expected = reference(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert len(op_calls) == 1
+    for field in ("log_probs", "entropy"):
+        got, want = getattr(out, field), getattr(expected, field)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, f=field: f"{f}: {m}")
+    assert torch.equal(out.is_top1, expected.is_top1)

@@ -1,5 +1,6 @@
-"""One ``LossOptions`` from every entry point: validated once, unknown names refused, and every
-field reachable by keyword from the functional and the Module (their signatures list them)."""
+"""One ``LossOptions`` from every entry point: validated once, unknown names refused, every
+field reachable by keyword from the functional and the Module (their signatures list them), and
+every field tagged with its kind (loss math / output / runtime), the tags checked by behaviour."""
 
 import dataclasses
 import inspect
@@ -8,7 +9,22 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.options import OPTION_DOCS, OPTION_NAMES, LossOptions, build_options, constant_changes
+from liger_patch.ops.options import (
+    LOSS_OPTIONS,
+    OPTION_DOCS,
+    OPTION_KINDS,
+    OPTION_NAMES,
+    OUTPUT_OPTIONS,
+    LossOptions,
+    OptionKind,
+    _option,
+    build_options,
+    constant_changes,
+    option_defaults,
+    option_kinds,
+    options_of_kind,
+)
+from liger_patch.ops.outputs import OUTPUT_NAMES
 from liger_patch.ops.tuning import Tuning
 
 
@@ -90,3 +106,81 @@ def test_module_carries_one_options_object():
     loss_fn = lp.FusedLinearCrossEntropyLoss(z_loss_scale=1e-4, tuning=Tuning(chunk_rows=3))
     assert loss_fn.options == LossOptions(z_loss_scale=1e-4, tuning=Tuning(chunk_rows=3))
     assert repr(loss_fn) == "FusedLinearCrossEntropyLoss(z_loss_scale=0.0001, tuning=Tuning(chunk_rows=3))"
+
+
+# ---------------------------------------------------------------- kinds
+
+
+def test_every_field_has_a_kind():
+    assert tuple(OPTION_KINDS) == OPTION_NAMES
+    assert all(isinstance(kind, OptionKind) for kind in OPTION_KINDS.values())
+    assert set(options_of_kind(*OptionKind)) == set(OPTION_NAMES)
+
+
+def test_a_field_without_a_kind_is_refused_naming_it():
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        tagged: float = _option(0.0, OptionKind.LOSS)
+        untagged: float = 0.0
+
+    with pytest.raises(TypeError, match=r"without a kind: \['untagged'\]"):
+        option_kinds(Options)
+
+
+def test_output_names_follow_the_output_options():
+    """``outputs.py`` names each output as its option without "return_", in the same order."""
+    assert tuple(name.removeprefix("return_") for name in OUTPUT_OPTIONS) == OUTPUT_NAMES
+
+
+def test_option_defaults_by_kind():
+    assert option_defaults(OptionKind.OUTPUT) == dict.fromkeys(OUTPUT_OPTIONS, False)
+    loss = option_defaults(OptionKind.LOSS)
+    assert tuple(loss) == LOSS_OPTIONS and loss["ignore_index"] == -100 and loss["softcap"] is None
+
+
+# A value other than the default for every option, chosen so that a loss-math option changes this
+# case's loss. A new option fails test_kinds_are_what_the_options_do until it has one here.
+SAMPLES = {
+    "ignore_index": 3,
+    "reduction": "sum",
+    "label_smoothing": 0.2,
+    "z_loss_scale": 0.1,
+    "softcap": 2.0,
+    "logit_scale": 0.5,
+    "return_z_loss": True,
+    "return_token_accuracy": True,
+    "return_predicted_tokens": True,
+    "return_entropy": True,
+    "use_token_scaling": True,
+    "backend": "triton",
+    "memory_budget": "lean",
+    "logits_dtype": torch.float32,
+    "tuning": Tuning(chunk_rows=3, min_token_chunk_rows=1),
+}
+
+
+def _loss_and_grads(**options):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 6, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 6, generator=gen, requires_grad=True)
+    labels = torch.tensor([3, 1, 3, 4, 5, 6, 7, 8, 3])
+    options.setdefault("backend", "torch")
+    out = lp.fused_linear_cross_entropy(hidden, weight, labels, **options)
+    loss = out if torch.is_tensor(out) else out.loss
+    loss.sum().backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("name", OPTION_NAMES)
+def test_kinds_are_what_the_options_do(name):
+    """A loss-math option changes the loss (its value here); an output or runtime option leaves
+    the loss and its gradients as they are (to fp32 rounding: another backend or chunking sums in
+    another order)."""
+    assert set(SAMPLES) == set(OPTION_NAMES), "every option needs a sample value here"
+    base = _loss_and_grads()
+    changed = _loss_and_grads(**{name: SAMPLES[name]})
+    if OPTION_KINDS[name] is OptionKind.LOSS:
+        assert not torch.allclose(changed[0], base[0], rtol=1e-3), f"{name} (loss math) left the loss as is"
+    else:
+        for got, expected in zip(changed, base, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -8,39 +8,34 @@ tensor for "none"), so a gradient that ignores grad_output fails.
 
 import pytest
 import torch
-from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, materialize_options
+from op_helpers import (
+    BACKENDS,
+    COMBINED,
+    DTYPES,
+    IGNORE_PATTERNS,
+    OPTION_CASES,
+    TOL,
+    check_parity,
+    make_case,
+    materialize_options,
+)
 
-COMBINED = dict(label_smoothing=0.15, z_loss_scale=2e-2, softcap=4.0, logit_scale=1.6, return_z_loss=True)
+from liger_patch.ops.options import OptionKind, option_defaults
 
-# id -> (make_case kwargs, op kwargs). Options one at a time, then combined.
-OPTION_CASES = {
-    "plain": ({}, {}),
-    "bias": ({"bias": True}, {}),
-    "ignore_index_-1": ({"ignore_index": -1}, {"ignore_index": -1}),
-    "ignore_index_1000": ({"ignore_index": 1000}, {"ignore_index": 1000}),
-    "reduction_sum": ({}, {"reduction": "sum"}),
-    "reduction_none": ({}, {"reduction": "none"}),
-    "num_items_int": ({}, {"num_items_in_batch": 50}),
-    "num_items_int_tensor": ({}, {"num_items_in_batch": ("tensor", 23, torch.int64)}),
-    "num_items_float_tensor": ({}, {"num_items_in_batch": ("tensor", 41.5, torch.float32)}),
-    "label_smoothing": ({}, {"label_smoothing": 0.1}),
-    "label_smoothing_1": ({}, {"label_smoothing": 1.0}),
-    "z_loss": ({}, {"z_loss_scale": 2e-2, "return_z_loss": True}),
-    "z_loss_not_returned": ({}, {"z_loss_scale": 2e-2}),
-    "z_loss_none": ({}, {"z_loss_scale": 2e-2, "return_z_loss": True, "reduction": "none"}),
-    "softcap": ({}, {"softcap": 4.0}),
-    "softcap_tight": ({}, {"softcap": 0.7}),
-    "logit_scale_up": ({}, {"logit_scale": 1.7}),
-    "logit_scale_down": ({}, {"logit_scale": 0.25}),
-    "softcap_and_scale": ({"bias": True}, {"softcap": 3.0, "logit_scale": 0.6}),
-    "combined_mean": ({"bias": True}, dict(COMBINED)),
-    "combined_sum": ({"bias": True}, dict(COMBINED, reduction="sum")),
-    "combined_none": ({"bias": True}, dict(COMBINED, reduction="none")),
-    "combined_num_items": (
-        {"bias": True, "ignore_index": -1},
-        dict(COMBINED, ignore_index=-1, num_items_in_batch=("tensor", 61.0, torch.float32)),
-    ),
-}
+
+def test_option_cases_set_every_loss_and_output_option():
+    """OPTION_CASES (run below, and on a vocabulary-sharded head by tests/ops/test_vocab_parallel.py)
+    give every loss-math and output option of ``LossOptions`` (by its kind tag) a value other than
+    its default, and give class weights: a new option fails this until a case sets it."""
+    defaults = option_defaults(OptionKind.LOSS, OptionKind.OUTPUT)
+    covered = {
+        name
+        for _, op_kw in OPTION_CASES.values()
+        for name, value in op_kw.items()
+        if name in defaults and value != defaults[name]
+    }
+    assert covered == set(defaults), f"no case sets {sorted(set(defaults) - covered)}"
+    assert any("class_weight" in op_kw for _, op_kw in OPTION_CASES.values())
 
 
 @pytest.mark.parametrize("case_id", list(OPTION_CASES))
@@ -51,7 +46,7 @@ def test_option_parity_fp32(gen, device, chunk_rows, backend, case_id):
     tuned = chunk_rows(3, V)  # 37 tokens -> 12 full chunks + a remainder of 1
     case = make_case(gen, (37,), 19, V, device=device, **case_kw)
     check_parity(
-        case, gen, tol=TOL[torch.float32], backend=backend, **materialize_options(op_kw, device), **tuned
+        case, gen, tol=TOL[torch.float32], backend=backend, **materialize_options(op_kw, device, V), **tuned
     )
 
 
@@ -65,7 +60,7 @@ def test_dtype_parity(gen, device, chunk_rows, backend, dtype, case_id):
     V = 131
     tuned = chunk_rows(4, V)
     case = make_case(gen, (2, 11), 19, V, dtype=dtype, device=device, **case_kw)
-    check_parity(case, gen, tol=TOL[dtype], backend=backend, **materialize_options(op_kw, device), **tuned)
+    check_parity(case, gen, tol=TOL[dtype], backend=backend, **materialize_options(op_kw, device, V), **tuned)
 
 
 # (leading shape, H, V, chunk rows or None for a single chunk)
@@ -184,5 +179,5 @@ def test_balanced_chunks_parity(gen, device, backend, case_id):
         backend=backend,
         memory_budget=budget,
         tuning=Tuning(balanced_chunks=True),
-        **materialize_options(op_kw, device),
+        **materialize_options(op_kw, device, V),
     )

@@ -3,13 +3,15 @@ unsharded op and the fp64 reference: the loss, every optional output and every g
 the weight shards and bias shards assembled).
 
 One launch (tests/ops/vocab_parallel_workers.py, 2 CPU processes) runs every case; the tests
-below check its results. V = 1001 is split 501/500 (``torch.chunk``, as a DTensor ``Shard(0)``),
-labels sit on both sides of the shard boundary, and the cases cover every option (bias shard,
-softcap, logit scale, label smoothing, z-loss, token accuracy, predicted tokens, entropy, token
-scaling, class weights), every reduction, ``num_items_in_batch``, ignored tokens, a batch with
-every label ignored, an empty batch, labels all in one shard, an empty shard (V = 1), several
-token chunks with the two-pass backward, bf16, autocast, partial gradients, a second backward and
-both backends. Bad labels and ranks that disagree raise on every rank, and the group keeps working.
+below check its results. V = 1001 is split 501/500 (``torch.chunk``, as a DTensor ``Shard(0)``)
+and labels sit on both sides of the shard boundary. The cases are the op tests' own
+``OPTION_CASES`` (tests/op_helpers.py: every loss-math and output option of ``LossOptions``, class
+weights, every reduction, ``num_items_in_batch``, ignore_index values, alone and combined; a test
+in tests/ops/test_parity.py keeps them complete) and what is particular to a sharded vocabulary:
+a batch with every label ignored, an empty batch, labels all in one shard, argmax ties across
+shards, an empty shard (V = 1), several token chunks with the two-pass backward, bf16, autocast,
+partial gradients, a second backward and both backends. Bad labels and ranks that disagree raise
+on every rank, and the group keeps working.
 """
 
 from __future__ import annotations

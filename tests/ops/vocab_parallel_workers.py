@@ -25,39 +25,30 @@ import torch
 import torch.distributed as dist
 
 from liger_patch.ops.vocab_parallel import VocabShard, vocab_parallel_loss
-from tests.op_helpers import make_case, reference_outputs_for, upstream_like
+from tests.op_helpers import (
+    ALL_OPTIONS,
+    COMBINED,
+    OPTION_CASES,
+    OUTPUTS,
+    make_case,
+    materialize_options,
+    reference_outputs_for,
+    upstream_like,
+)
 
 H, LEAD, V = 16, (2, 13), 1001
 BOUNDARY_LABELS = (0, 500, 501, 1000)  # first and last row of each shard, at positions 1..4
-ALL_OPTIONS = dict(
-    label_smoothing=0.1,
-    z_loss_scale=1e-3,
-    return_z_loss=True,
-    softcap=3.0,
-    logit_scale=0.7,
-    return_token_accuracy=True,
-    return_predicted_tokens=True,
-    return_entropy=True,
-)
-OUTPUTS = dict(return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True)
+
+
+def _option_case(case_kw: dict, op_kw: dict) -> dict:
+    """A case of ``OPTION_CASES`` (make_case kwargs, op kwargs) as a case spec here."""
+    return dict(bias=case_kw.get("bias", False), ignore_index=case_kw.get("ignore_index", -100), opts=op_kw)
+
 
 CASES: dict[str, dict] = {
-    **{f"plain_{r}": dict(bias=True, opts=dict(reduction=r)) for r in ("mean", "sum", "none")},
-    **{
-        f"all_options_{r}": dict(bias=True, opts=dict(ALL_OPTIONS, reduction=r))
-        for r in ("mean", "sum", "none")
-    },
-    "label_smoothing": dict(opts=dict(label_smoothing=0.2)),
-    "z_loss": dict(opts=dict(z_loss_scale=1e-2, return_z_loss=True)),
-    "softcap_and_scale": dict(bias=True, opts=dict(softcap=2.5, logit_scale=1.3)),
-    "outputs": dict(opts=dict(OUTPUTS)),
-    "outputs_none": dict(opts=dict(OUTPUTS, reduction="none")),
-    "token_scaling": dict(opts=dict(use_token_scaling=True, z_loss_scale=1e-2, return_z_loss=True)),
-    "class_weight": dict(bias=True, class_weight=True, opts=dict(label_smoothing=0.1)),
-    "class_weight_none": dict(class_weight=True, opts=dict(reduction="none")),
-    "num_items_int": dict(opts=dict(num_items_in_batch=37)),
-    "num_items_tensor": dict(opts=dict(num_items_in_batch=("tensor", 29.0))),
-    "ignore_index_7": dict(ignore_index=7, opts=dict(OUTPUTS)),
+    # every option, alone and combined: the op tests' own list
+    **{name: _option_case(*spec) for name, spec in OPTION_CASES.items()},
+    # ... and what is particular to a sharded vocabulary
     "ties_across_shards": dict(tie_rows=(100, 600), opts=dict(OUTPUTS, reduction="none")),
     "labels_in_first_shard": dict(labels_below=501, opts=dict(ALL_OPTIONS)),
     "labels_in_last_shard": dict(labels_from=501, opts=dict(ALL_OPTIONS)),
@@ -70,14 +61,14 @@ CASES: dict[str, dict] = {
     "bf16_fp32_logits": dict(dtype=torch.bfloat16, opts=dict(logits_dtype=torch.float32)),
     "tiny_vocab": dict(vocab=3, bias=True, opts=dict(ALL_OPTIONS)),
     # shards wider than the 4096 columns the label-smoothing sum takes at a time
-    "wide_vocab": dict(vocab=8301, class_weight=True, opts=dict(ALL_OPTIONS)),
+    "wide_vocab": dict(vocab=8301, opts=dict(ALL_OPTIONS)),
     "empty_shard": dict(vocab=1, bias=True, opts=dict(ALL_OPTIONS)),
     "hidden_grad_only": dict(requires_grad=("hidden",), opts=dict(label_smoothing=0.1)),
     "weight_grad_only": dict(bias=True, requires_grad=("weight", "bias"), opts=dict(reduction="none")),
     "second_backward": dict(bias=True, backward_twice=True, opts=dict(ALL_OPTIONS)),
     "autocast": dict(autocast=True, bias=True, opts=dict(label_smoothing=0.1)),
-    "triton": dict(backend="triton", bias=True, opts=dict(ALL_OPTIONS)),
-    "triton_none": dict(backend="triton", class_weight=True, opts=dict(ALL_OPTIONS, reduction="none")),
+    "triton": dict(backend="triton", bias=True, opts=dict(COMBINED, **OUTPUTS)),
+    "triton_none": dict(backend="triton", opts=dict(ALL_OPTIONS, reduction="none")),
 }
 
 
@@ -116,10 +107,7 @@ def build_case(name: str, spec: dict):
     if vocab == V and flat.numel() > 4 and not placed:
         flat[1:5] = torch.tensor(BOUNDARY_LABELS)
     opts = dict(spec["opts"], backend=spec.get("backend", "torch"), ignore_index=case.ignore_index)
-    if isinstance(opts.get("num_items_in_batch"), tuple):
-        opts["num_items_in_batch"] = torch.tensor(opts["num_items_in_batch"][1])
-    if spec.get("class_weight"):
-        opts["class_weight"] = torch.rand(vocab, generator=gen) + 0.5
+    opts = materialize_options(opts, "cpu", vocab)
     if "chunk_rows" in spec:
         from liger_patch.ops.tuning import Tuning
 

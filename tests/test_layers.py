@@ -1,0 +1,181 @@
+"""Imports only point down: ops (and env.py) <- patching <- integrations <- CLI.
+
+Every module of ``liger_patch/`` is parsed with ``ast`` and every import in it (at any depth:
+inside functions, under ``if TYPE_CHECKING``, relative ``from . import x`` forms too) is resolved
+to the module it names; an import of a module in a higher layer than the importer fails, naming
+both. ``liger_patch/__init__.py`` re-exports the public API from every layer and is exempt as an
+importer; imported (``import liger_patch``, ``from liger_patch import apply_liger_to``) it counts
+as the integrations layer, the highest it re-exports from.
+
+The verification sweep is CLI code wherever it lives: ``liger_patch/verify/`` and, until it
+moves there, ``liger_patch/patching/verify*.py`` and ``liger_patch/patching/tiny/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "liger_patch"
+
+OPS, PATCHING, INTEGRATIONS, CLI = 0, 1, 2, 3
+LAYER_NAMES = {OPS: "ops", PATCHING: "patching", INTEGRATIONS: "integrations", CLI: "CLI"}
+
+ROOT = "liger_patch"
+# Modules of the CLI layer living outside a CLI package, by exact name or as a package prefix.
+CLI_MODULES = ("liger_patch.__main__", "liger_patch.doctor", "liger_patch.demo")
+CLI_PACKAGES = ("liger_patch.verify", "liger_patch.patching.tiny")
+CLI_IN_PATCHING = "liger_patch.patching.verify"  # verify.py, verify_cli.py: a name prefix
+LAYER_PACKAGES = {
+    "liger_patch.env": OPS,  # environment flags: anyone may import it
+    "liger_patch.ops": OPS,
+    "liger_patch.patching": PATCHING,
+    "liger_patch.integrations": INTEGRATIONS,
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_of(name: str) -> int:
+    """The layer of module ``name`` (``liger_patch`` itself: integrations, see the module doc)."""
+    if name == ROOT:
+        return INTEGRATIONS
+    if name in CLI_MODULES or any(_within(name, p) for p in CLI_PACKAGES):
+        return CLI
+    if name.startswith(CLI_IN_PATCHING):
+        return CLI
+    for package, layer in LAYER_PACKAGES.items():
+        if _within(name, package):
+            return layer
+    raise AssertionError(f"{name} is in no layer: classify it in tests/test_layers.py")
+
+
+def module_name(path: Path, package_dir: Path = PACKAGE_DIR) -> str:
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str, package_dir: Path) -> bool:
+    """Whether ``name`` (dotted, under the package) is a module or package on disk."""
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    base = package_dir / rel
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imported_modules(source: str, name: str, is_package: bool, package_dir: Path = PACKAGE_DIR):
+    """``(line, module)`` for every import of a ``liger_patch`` module in ``source`` (the module
+    ``name``). ``from a import b`` names ``a.b`` when that is a module, else ``a``."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _within(alias.name, ROOT):
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not _within(base, ROOT):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                yield node.lineno, sub if _is_module(sub, package_dir) else base
+
+
+def upward_imports(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """Every import in the package that points up a layer, as ``path:line: a (layer) imports b (layer)``."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        name = module_name(path, package_dir)
+        if name == ROOT:
+            continue
+        mine = layer_of(name)
+        source = path.read_text(encoding="utf-8")
+        for line, target in imported_modules(source, name, path.name == "__init__.py", package_dir):
+            theirs = layer_of(target)
+            if theirs > mine:
+                found.append(
+                    f"{path.relative_to(package_dir.parent)}:{line}: {name} ({LAYER_NAMES[mine]}) "
+                    f"imports {target} ({LAYER_NAMES[theirs]})"
+                )
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    found = upward_imports()
+    assert not found, "imports must point down (ops <- patching <- integrations <- CLI):\n" + "\n".join(found)
+
+
+def test_every_module_is_in_a_layer():
+    for path in PACKAGE_DIR.rglob("*.py"):
+        layer_of(module_name(path))  # raises for a module no rule classifies
+
+
+@pytest.mark.parametrize(
+    ("name", "layer"),
+    [
+        ("liger_patch.env", OPS),
+        ("liger_patch.ops.triton.rows", OPS),
+        ("liger_patch.patching.apply", PATCHING),
+        ("liger_patch.patching.verify", CLI),
+        ("liger_patch.patching.verify_cli", CLI),
+        ("liger_patch.patching.tiny.models", CLI),
+        ("liger_patch.verify", CLI),
+        ("liger_patch.verify.tiny", CLI),
+        ("liger_patch.integrations.trl", INTEGRATIONS),
+        ("liger_patch.__main__", CLI),
+        ("liger_patch", INTEGRATIONS),
+    ],
+)
+def test_layer_map(name, layer):
+    assert layer_of(name) == layer
+
+
+UPWARD = {
+    "absolute, in a function": (
+        "def f():\n    import liger_patch.patching.apply\n",
+        "liger_patch.patching.apply",
+    ),
+    "from, at the top": (
+        "from liger_patch.integrations.trl import install\n",
+        "liger_patch.integrations.trl",
+    ),
+    "from a package, a submodule": ("from liger_patch.patching import apply\n", "liger_patch.patching.apply"),
+    "relative, two levels": ("from ..patching import state\n", "liger_patch.patching.state"),
+    "relative, in TYPE_CHECKING": (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..integrations import trl\n",
+        "liger_patch.integrations.trl",
+    ),
+    "the root package": ("import liger_patch as lp\n", "liger_patch"),
+}
+
+
+@pytest.mark.parametrize("case", list(UPWARD))
+def test_an_injected_upward_import_is_found(tmp_path, case):
+    """Mutation: copy the package, add one upward import to an ops module, and the check names it."""
+    import shutil
+
+    source, target = UPWARD[case]
+    copy = tmp_path / "liger_patch"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    mutated = copy / "ops" / "budget.py"
+    mutated.write_text(mutated.read_text(encoding="utf-8") + "\n" + source, encoding="utf-8")
+    found = [line for line in upward_imports(copy) if line.startswith("liger_patch/ops/budget.py")]
+    assert len(found) == 1 and found[0].endswith(f"imports {target} ({LAYER_NAMES[layer_of(target)]})"), found
+
+
+def test_a_downward_import_is_not_flagged(tmp_path):
+    import shutil
+
+    copy = tmp_path / "liger_patch"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    mutated = copy / "integrations" / "trainer.py"
+    extra = "from ..patching import apply\nfrom liger_patch import env\nimport liger_patch.ops.budget\n"
+    mutated.write_text(mutated.read_text(encoding="utf-8") + "\n" + extra, encoding="utf-8")
+    assert not [line for line in upward_imports(copy) if "integrations/trainer.py" in line]
