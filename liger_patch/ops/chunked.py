@@ -12,22 +12,28 @@ vocabulary in blocks, recomputes the ``tokens x block`` logits and writes each g
 GEMM over all tokens. Four GEMMs per token instead of three, but no grad_W re-reads and no
 working memory beyond the budget.
 
-GEMM operands stay in the input dtype on CUDA (tensor cores, fp32 accumulation) and are fp32 on
-CPU, where half-precision matmuls are slow and less exact. The full ``tokens x V`` logits never
-exist.
+The GEMMs and their dtypes are ``gemm``'s; where grad_W is summed and what borrows its bytes,
+``grad_weight_layout``'s. The full ``tokens x V`` logits never exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from liger_patch.ops.backends import Backend
-from liger_patch.ops.budget import ALIGN, ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.budget import ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.gemm import chunk_logits, gemm_dtype_for, gemm_logits, grad_view, mm_into
+from liger_patch.ops.grad_weight_layout import (
+    accumulate_grad_weight,
+    buffer_in,
+    grad_weight_buffers,
+    weight_operand,
+    widen_in_place,
+)
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 
@@ -108,191 +114,6 @@ class _RowRecords:
             for t in self.outputs.tensors():
                 if t is not None:
                     t.fill_(-1 if t is self.outputs.argmax else 0)
-
-
-def gemm_dtype_for(t: torch.Tensor) -> torch.dtype:
-    """The GEMMs' operand dtype for inputs like ``t``: its own on CUDA (tensor cores), fp32 on the
-    CPU, where half-precision matmuls are slow and less exact."""
-    return t.dtype if t.is_cuda else torch.float32
-
-
-@functools.cache
-def _has_out_dtype_mm(device_type: str) -> bool:
-    """Whether this torch build has ``mm(..., out_dtype=float32)`` for half inputs on the device."""
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _bias_as_added(
-    bias: torch.Tensor | None, gemm_dtype: torch.dtype, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The fp32 bias as the logits GEMM adds it: rounded to the logits dtype when the GEMM stores
-    that dtype itself (cuBLAS's epilogue adds a bias of the output's dtype), else unrounded."""
-    if bias is None:
-        return None
-    return bias.to(dtype) if gemm_dtype == dtype else bias
-
-
-def gemm_logits(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``h w^T + b`` (bias in fp32) stored in ``dtype``, into ``out`` when given.
-
-    The GEMM always accumulates in fp32; ``dtype`` only decides how the chunk is stored: rounded
-    once to the input's half dtype, as an unpatched half-precision head stores it, or fp32.
-    """
-    if h.dtype == dtype:  # the GEMM rounds on store (half logits on CUDA, or fp32 everything)
-        if bias is None:
-            return torch.mm(h, w.t(), out=out) if out is not None else h @ w.t()
-        b = _bias_as_added(bias, h.dtype, dtype)
-        return torch.addmm(b, h, w.t(), out=out) if out is not None else torch.addmm(b, h, w.t())
-    if h.dtype == torch.float32:  # the CPU, which runs its GEMMs in fp32
-        res = h @ w.t()
-    elif _has_out_dtype_mm(h.device.type):
-        if out is not None and bias is None:
-            return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-        res = torch.mm(h, w.t(), out_dtype=torch.float32)
-    else:
-        res = (h @ w.t()).float()
-    if bias is not None:
-        res += bias
-    if out is None:
-        return res.to(dtype)
-    return out.copy_(res)
-
-
-def _chunk_logits(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    opts: LossOptions,
-    dtype: torch.dtype,
-    out: torch.Tensor | None,
-    backend: Backend | None,
-) -> tuple[torch.Tensor, tuple | None]:
-    """A token chunk's logits and, where ``backend``'s fused logits GEMM supports the chunk, the
-    log-sum-exp partials it leaves for the row kernel; else ``gemm_logits`` and ``None``."""
-    fused = backend.fused_logits if backend is not None else None
-    if fused is not None and fused.supported(h, w, dtype, opts.tuning):
-        if out is None:
-            out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
-        return out, fused.logits_with_partials(h, w, _bias_as_added(b, h.dtype, dtype), opts, out)
-    return gemm_logits(h, w, b, dtype, out=out), None
-
-
-def _buffer_in(
-    storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, at_end: bool = False
-) -> torch.Tensor:
-    """A contiguous ``rows x cols`` tensor of ``dtype`` laid over the bytes of ``storage`` (a
-    fresh contiguous tensor): its first bytes, or with ``at_end`` its last ones, starting at a
-    16-byte boundary (so up to 15 bytes before the last ``rows * cols`` elements)."""
-    flat = storage.view(-1).view(torch.uint8)
-    nbytes = rows * cols * dtype.itemsize
-    start = (flat.numel() - nbytes) // ALIGN * ALIGN if at_end else 0
-    return flat[start : start + nbytes].view(dtype).view(rows, cols)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b``, written straight into ``out`` when the dtypes match (CUDA) or an fp32
-    ``out`` takes half operands' fp32 accumulator (pass B's grad_W under autocast), else rounded
-    into it from the product (CPU, whose GEMMs run in fp32)."""
-    if a.dtype == out.dtype:
-        torch.mm(a, b, out=out)
-    elif out.dtype == torch.float32 and a.dtype.itemsize == 2 and _has_out_dtype_mm(a.device.type):
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        out.copy_(a @ b)
-
-
-def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
-    """``acc (+)= g^T h``; ``first`` overwrites instead of adding (no zero-fill needed)."""
-    if first:
-        _mm_into(acc, g.t(), h)
-    elif g.dtype == acc.dtype:
-        acc.addmm_(g.t(), h)
-    elif acc.dtype == torch.float32 and _has_out_dtype_mm(g.device.type):
-        torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(g.t() @ h)
-
-
-def _grad_weight_buffers(
-    plan: ChunkPlan, weight: torch.Tensor, operand_dtype: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """grad_W in the weight's dtype, and the token chunks' sum when it is kept in another dtype
-    (fp32, or the hidden states' dtype under autocast): a view of grad_W's first half when the
-    plan puts the weight's copy in the second (``plan.weight_in_grad_weight``), else its own
-    tensor, and grad_W (``None`` here) is made from it at the end. A sum whose first chunk
-    overwrites, and pass B, which writes every block, need no zeros."""
-    fills = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
-    if plan.two_pass:
-        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
-    sum_dtype = torch.float32 if plan.grad_weight_fp32 else operand_dtype
-    if sum_dtype == weight.dtype:
-        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
-    if not plan.weight_in_grad_weight:  # grad_W is made from the sum at the end
-        return None, fills(weight.shape, dtype=sum_dtype, device=weight.device)
-    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    grad_sum = _buffer_in(grad_weight, *weight.shape, sum_dtype)
-    if fills is torch.zeros:
-        grad_sum.zero_()
-    return grad_weight, grad_sum
-
-
-def _weight_operand(
-    weight: torch.Tensor,
-    operand_dtype: torch.dtype,
-    gemm_dtype: torch.dtype,
-    grad_weight: torch.Tensor | None,
-) -> torch.Tensor:
-    """The weight as the GEMMs read it: rounded to the hidden states' dtype, as autocast rounds
-    both operands of an ``nn.Linear`` (a no-op when the dtypes match), in the GEMMs' dtype. With
-    ``grad_weight``, the copy is laid over its second half (``ChunkPlan.weight_in_grad_weight``)."""
-    rounded = weight if gemm_dtype == operand_dtype else weight.to(operand_dtype)
-    if grad_weight is None:
-        return rounded.to(gemm_dtype)
-    return _buffer_in(grad_weight, *weight.shape, gemm_dtype, at_end=True).copy_(rounded)
-
-
-def _widen_in_place(buffer: torch.Tensor, narrow: torch.dtype) -> None:
-    """Turn ``buffer``, whose first half holds its ``numel()`` values in ``narrow`` (half its
-    element width), into those values in its own dtype.
-
-    Back to front, halving: the block ``[a, b)`` with ``a = ceil(b / 2)`` moves from bytes
-    ``[a, b)`` to ``[2a, 2b)`` (in units of the narrow width), which overlaps neither its own
-    source (``b <= 2a``) nor the values before it, still unread. About log2(n) copies and no
-    temporary but the first value's."""
-    n = buffer.numel()
-    wide = buffer.view(-1)
-    src = wide.view(narrow)[:n]
-    stop = n
-    while stop > 1:
-        start = (stop + 1) // 2
-        wide[start:stop].copy_(src[start:stop])
-        stop = start
-    if stop == 1:
-        wide[:1].copy_(src[:1].clone())
-
-
-def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where the row kernel writes d(loss)/d(logits): the logits' own elements when the dtypes
-    match, a narrower view of the logits' bytes whose row r starts where logits row r starts
-    (fp32 logits, half gradients), or a new buffer when the gradient is wider (half logits on
-    the CPU, whose GEMMs run in fp32). The row kernel writes every element."""
-    if dtype == logits.dtype:
-        return logits
-    if logits.element_size() > dtype.itemsize:
-        return logits.view(dtype)[:, : logits.shape[1]]
-    return torch.empty(logits.shape, dtype=dtype, device=logits.device)
 
 
 def _plan(
@@ -418,9 +239,9 @@ def run_chunks(
         res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
     grad_sum = None  # where the token chunks sum grad_W, when not in res.grad_weight itself
     if grad_weight_here:
-        res.grad_weight, grad_sum = _grad_weight_buffers(plan, weight, hidden.dtype)
+        res.grad_weight, grad_sum = grad_weight_buffers(plan, weight, hidden.dtype)
     copy_home = res.grad_weight if plan.weight_in_grad_weight else None
-    w = _weight_operand(weight, hidden.dtype, gemm_dtype, copy_home)
+    w = weight_operand(weight, hidden.dtype, gemm_dtype, copy_home)
 
     token_grads = compute_grad and (need_hidden or not plan.two_pass)
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
@@ -466,7 +287,7 @@ def run_chunks(
 
     del w  # the weight's copy: in grad_W's second half, which the widening below overwrites
     if grad_sum is not None and plan.weight_in_grad_weight:
-        _widen_in_place(res.grad_weight, grad_sum.dtype)
+        widen_in_place(res.grad_weight, grad_sum.dtype)
     elif grad_sum is not None:
         res.grad_weight = grad_sum.to(weight.dtype)
     if res.grad_bias is not None:
@@ -502,9 +323,9 @@ def _token_pass(
     grad_weight = res.grad_weight if grad_sum is None else grad_sum
     for chunk in rows.chunks(n_rows, plan.rows):
         h = chunk.take(hidden).to(w.dtype)
-        out = None if scratch is None else _buffer_in(scratch, h.shape[0], vocab, logits_dtype)
-        logits, partials = _chunk_logits(h, w, b, opts, logits_dtype, out, fused)
-        g = _grad_view(logits, w.dtype) if token_grads else None
+        out = None if scratch is None else buffer_in(scratch, h.shape[0], vocab, logits_dtype)
+        logits, partials = chunk_logits(h, w, b, opts, logits_dtype, out, fused)
+        g = grad_view(logits, w.dtype) if token_grads else None
         records, gathered = rows.for_chunk(chunk)
         ce_c, lse_c = backend.row_kernel(
             logits,
@@ -526,12 +347,12 @@ def _token_pass(
             continue
         if res.grad_hidden is not None:
             if chunk.index is None:
-                _mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
+                mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
             else:
                 chunk.put(res.grad_hidden, g @ w)
         if not plan.two_pass:
             if grad_weight is not None:
-                _accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
+                accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
             if res.grad_bias is not None:
                 res.grad_bias += g.sum(dim=0, dtype=torch.float32)
         del logits, g
@@ -564,13 +385,13 @@ def _vocab_pass(
     buf = None
     for v0, v1, in_grad_weight in plan.vocab_blocks:
         if in_grad_weight:
-            out = _buffer_in(grad_weight, n_rows, v1 - v0, logits_dtype, at_end=True)
+            out = buffer_in(grad_weight, n_rows, v1 - v0, logits_dtype, at_end=True)
         else:
             if buf is None:
                 buf = torch.empty(n_rows * (v1 - v0), dtype=logits_dtype, device=h.device)
             out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
         logits = gemm_logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
-        g = _grad_view(logits, h.dtype)
+        g = grad_view(logits, h.dtype)
         backend.row_kernel(
             logits,
             labels,
@@ -584,7 +405,7 @@ def _vocab_pass(
             class_weight=rows.class_weight,
             entropy_grad=rows.entropy_grad,
         )
-        _mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
+        mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
         if res.grad_bias is not None:
             res.grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
         del logits, g, out
