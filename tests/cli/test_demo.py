@@ -4,6 +4,7 @@ while its two loss columns agree."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,7 +22,13 @@ SMALL = ["--steps", "3", "--vocab", "512", "--seq", "32", "--batch", "2"]
 @pytest.fixture
 def as_a_user(monkeypatch):
     """The environment a user runs the demo in: without TRITON_INTERPRET (tests/conftest.py sets
-    it, which would run the demo's CPU loss through the slow Triton interpreter)."""
+    it, which would run the demo's CPU loss through the slow Triton interpreter).
+
+    Triton is imported first, under the interpreter: it fixes its own library's kernels (``tl.zeros``
+    ...) to the mode it is imported in, and the demo imports it (transformers -> torch._dynamo)
+    without the interpreter, after which every later test's interpreted kernel would fail."""
+    with contextlib.suppress(ImportError):
+        import triton.language  # noqa: F401
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
