@@ -24,7 +24,7 @@ from common import MiB, bench, need_cuda, write_json  # noqa: E402
 
 from liger_patch import fused_linear_cross_entropy  # noqa: E402
 from liger_patch.ops import validation  # noqa: E402
-from liger_patch.ops.chunked import _grad_view  # noqa: E402
+from liger_patch.ops.gemm import grad_view  # noqa: E402
 from liger_patch.ops.options import LossOptions  # noqa: E402
 from liger_patch.ops.triton.rows import ce_rows_triton  # noqa: E402
 from liger_patch.ops.tuning import Tuning  # noqa: E402
@@ -40,7 +40,7 @@ def stage_times(n: int, h_dim: int, v: int, rows: int, rep: int) -> dict:
     chunks = [(s, min(s + rows, n)) for s in range(0, n, rows)]
     grad_logits = torch.randn(rows, v, device="cuda", generator=gen).to(torch.bfloat16) * 1e-4
     strided = torch.empty(rows, v, device="cuda", dtype=torch.float32)
-    strided_grad = _grad_view(strided, torch.bfloat16)
+    strided_grad = grad_view(strided, torch.bfloat16)
     strided_grad.copy_(grad_logits)
     grad_h = torch.empty_like(hidden)
     acc32 = torch.zeros(v, h_dim, device="cuda", dtype=torch.float32)
@@ -57,7 +57,7 @@ def stage_times(n: int, h_dim: int, v: int, rows: int, rep: int) -> dict:
     def g1_and_row():
         for s, e in chunks:
             logits = torch.mm(hidden[s:e], weight.t(), out_dtype=torch.float32)
-            g = _grad_view(logits, torch.bfloat16)
+            g = grad_view(logits, torch.bfloat16)
             ce_rows_triton(logits, labels[s:e], opts, grad=g, coef_ce=coef[s:e], coef_z=coef[s:e])
 
     def g2():

@@ -195,8 +195,9 @@ class ChunkPlan:
 
 
 ALIGN = 16
-"""Bytes: a chunk buffer laid over grad_W starts at this boundary (``chunked._buffer_in``), which
-keeps cuBLAS on its vectorised kernels and any dtype view legal; pass B's plan leaves room for it."""
+"""Bytes: a chunk buffer laid over grad_W starts at this boundary (``grad_weight_layout.buffer_in``),
+which keeps cuBLAS on its vectorised kernels and any dtype view legal; pass B's plan leaves room
+for it."""
 
 
 def _rows_within(shape: ChunkShape, budget: int, tuning: Tuning) -> int:

@@ -12,22 +12,28 @@ vocabulary in blocks, recomputes the ``tokens x block`` logits and writes each g
 GEMM over all tokens. Four GEMMs per token instead of three, but no grad_W re-reads and no
 working memory beyond the budget.
 
-GEMM operands stay in the input dtype on CUDA (tensor cores, fp32 accumulation) and are fp32 on
-CPU, where half-precision matmuls are slow and less exact. The full ``tokens x V`` logits never
-exist.
+The GEMMs and their dtypes are ``gemm``'s; where grad_W is summed and what borrows its bytes,
+``grad_weight_layout``'s. The full ``tokens x V`` logits never exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from liger_patch.ops.backends import Backend
-from liger_patch.ops.budget import ALIGN, ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.budget import ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.gemm import chunk_logits, gemm_dtype_for, gemm_logits, grad_view, mm_into
+from liger_patch.ops.grad_weight_layout import (
+    accumulate_grad_weight,
+    buffer_in,
+    grad_weight_buffers,
+    weight_operand,
+    widen_in_place,
+)
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 
@@ -110,191 +116,6 @@ class _RowRecords:
                     t.fill_(-1 if t is self.outputs.argmax else 0)
 
 
-def gemm_dtype_for(t: torch.Tensor) -> torch.dtype:
-    """The GEMMs' operand dtype for inputs like ``t``: its own on CUDA (tensor cores), fp32 on the
-    CPU, where half-precision matmuls are slow and less exact."""
-    return t.dtype if t.is_cuda else torch.float32
-
-
-@functools.cache
-def _has_out_dtype_mm(device_type: str) -> bool:
-    """Whether this torch build has ``mm(..., out_dtype=float32)`` for half inputs on the device."""
-    try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _bias_as_added(
-    bias: torch.Tensor | None, gemm_dtype: torch.dtype, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The fp32 bias as the logits GEMM adds it: rounded to the logits dtype when the GEMM stores
-    that dtype itself (cuBLAS's epilogue adds a bias of the output's dtype), else unrounded."""
-    if bias is None:
-        return None
-    return bias.to(dtype) if gemm_dtype == dtype else bias
-
-
-def gemm_logits(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``h w^T + b`` (bias in fp32) stored in ``dtype``, into ``out`` when given.
-
-    The GEMM always accumulates in fp32; ``dtype`` only decides how the chunk is stored: rounded
-    once to the input's half dtype, as an unpatched half-precision head stores it, or fp32.
-    """
-    if h.dtype == dtype:  # the GEMM rounds on store (half logits on CUDA, or fp32 everything)
-        if bias is None:
-            return torch.mm(h, w.t(), out=out) if out is not None else h @ w.t()
-        b = _bias_as_added(bias, h.dtype, dtype)
-        return torch.addmm(b, h, w.t(), out=out) if out is not None else torch.addmm(b, h, w.t())
-    if h.dtype == torch.float32:  # the CPU, which runs its GEMMs in fp32
-        res = h @ w.t()
-    elif _has_out_dtype_mm(h.device.type):
-        if out is not None and bias is None:
-            return torch.mm(h, w.t(), out_dtype=torch.float32, out=out)
-        res = torch.mm(h, w.t(), out_dtype=torch.float32)
-    else:
-        res = (h @ w.t()).float()
-    if bias is not None:
-        res += bias
-    if out is None:
-        return res.to(dtype)
-    return out.copy_(res)
-
-
-def _chunk_logits(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    opts: LossOptions,
-    dtype: torch.dtype,
-    out: torch.Tensor | None,
-    backend: Backend | None,
-) -> tuple[torch.Tensor, tuple | None]:
-    """A token chunk's logits and, where ``backend``'s fused logits GEMM supports the chunk, the
-    log-sum-exp partials it leaves for the row kernel; else ``gemm_logits`` and ``None``."""
-    fused = backend.fused_logits if backend is not None else None
-    if fused is not None and fused.supported(h, w, dtype, opts.tuning):
-        if out is None:
-            out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
-        return out, fused.logits_with_partials(h, w, _bias_as_added(b, h.dtype, dtype), opts, out)
-    return gemm_logits(h, w, b, dtype, out=out), None
-
-
-def _buffer_in(
-    storage: torch.Tensor, rows: int, cols: int, dtype: torch.dtype, at_end: bool = False
-) -> torch.Tensor:
-    """A contiguous ``rows x cols`` tensor of ``dtype`` laid over the bytes of ``storage`` (a
-    fresh contiguous tensor): its first bytes, or with ``at_end`` its last ones, starting at a
-    16-byte boundary (so up to 15 bytes before the last ``rows * cols`` elements)."""
-    flat = storage.view(-1).view(torch.uint8)
-    nbytes = rows * cols * dtype.itemsize
-    start = (flat.numel() - nbytes) // ALIGN * ALIGN if at_end else 0
-    return flat[start : start + nbytes].view(dtype).view(rows, cols)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b``, written straight into ``out`` when the dtypes match (CUDA) or an fp32
-    ``out`` takes half operands' fp32 accumulator (pass B's grad_W under autocast), else rounded
-    into it from the product (CPU, whose GEMMs run in fp32)."""
-    if a.dtype == out.dtype:
-        torch.mm(a, b, out=out)
-    elif out.dtype == torch.float32 and a.dtype.itemsize == 2 and _has_out_dtype_mm(a.device.type):
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        out.copy_(a @ b)
-
-
-def _accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
-    """``acc (+)= g^T h``; ``first`` overwrites instead of adding (no zero-fill needed)."""
-    if first:
-        _mm_into(acc, g.t(), h)
-    elif g.dtype == acc.dtype:
-        acc.addmm_(g.t(), h)
-    elif acc.dtype == torch.float32 and _has_out_dtype_mm(g.device.type):
-        torch.addmm(acc, g.t(), h, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(g.t() @ h)
-
-
-def _grad_weight_buffers(
-    plan: ChunkPlan, weight: torch.Tensor, operand_dtype: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """grad_W in the weight's dtype, and the token chunks' sum when it is kept in another dtype
-    (fp32, or the hidden states' dtype under autocast): a view of grad_W's first half when the
-    plan puts the weight's copy in the second (``plan.weight_in_grad_weight``), else its own
-    tensor, and grad_W (``None`` here) is made from it at the end. A sum whose first chunk
-    overwrites, and pass B, which writes every block, need no zeros."""
-    fills = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
-    if plan.two_pass:
-        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
-    sum_dtype = torch.float32 if plan.grad_weight_fp32 else operand_dtype
-    if sum_dtype == weight.dtype:
-        return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
-    if not plan.weight_in_grad_weight:  # grad_W is made from the sum at the end
-        return None, fills(weight.shape, dtype=sum_dtype, device=weight.device)
-    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    grad_sum = _buffer_in(grad_weight, *weight.shape, sum_dtype)
-    if fills is torch.zeros:
-        grad_sum.zero_()
-    return grad_weight, grad_sum
-
-
-def _weight_operand(
-    weight: torch.Tensor,
-    operand_dtype: torch.dtype,
-    gemm_dtype: torch.dtype,
-    grad_weight: torch.Tensor | None,
-) -> torch.Tensor:
-    """The weight as the GEMMs read it: rounded to the hidden states' dtype, as autocast rounds
-    both operands of an ``nn.Linear`` (a no-op when the dtypes match), in the GEMMs' dtype. With
-    ``grad_weight``, the copy is laid over its second half (``ChunkPlan.weight_in_grad_weight``)."""
-    rounded = weight if gemm_dtype == operand_dtype else weight.to(operand_dtype)
-    if grad_weight is None:
-        return rounded.to(gemm_dtype)
-    return _buffer_in(grad_weight, *weight.shape, gemm_dtype, at_end=True).copy_(rounded)
-
-
-def _widen_in_place(buffer: torch.Tensor, narrow: torch.dtype) -> None:
-    """Turn ``buffer``, whose first half holds its ``numel()`` values in ``narrow`` (half its
-    element width), into those values in its own dtype.
-
-    Back to front, halving: the block ``[a, b)`` with ``a = ceil(b / 2)`` moves from bytes
-    ``[a, b)`` to ``[2a, 2b)`` (in units of the narrow width), which overlaps neither its own
-    source (``b <= 2a``) nor the values before it, still unread. About log2(n) copies and no
-    temporary but the first value's."""
-    n = buffer.numel()
-    wide = buffer.view(-1)
-    src = wide.view(narrow)[:n]
-    stop = n
-    while stop > 1:
-        start = (stop + 1) // 2
-        wide[start:stop].copy_(src[start:stop])
-        stop = start
-    if stop == 1:
-        wide[:1].copy_(src[:1].clone())
-
-
-def _grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where the row kernel writes d(loss)/d(logits): the logits' own elements when the dtypes
-    match, a narrower view of the logits' bytes whose row r starts where logits row r starts
-    (fp32 logits, half gradients), or a new buffer when the gradient is wider (half logits on
-    the CPU, whose GEMMs run in fp32). The row kernel writes every element."""
-    if dtype == logits.dtype:
-        return logits
-    if logits.element_size() > dtype.itemsize:
-        return logits.view(dtype)[:, : logits.shape[1]]
-    return torch.empty(logits.shape, dtype=dtype, device=logits.device)
-
-
 def _plan(
     backend: Backend,
     hidden: torch.Tensor,
@@ -335,6 +156,60 @@ def _plan(
         if not plan.two_pass:
             return plan, fused, row_index
     return plan_chunks(shape, budget_bytes, opts.tuning), fused, None
+
+
+@dataclass(frozen=True)
+class _PassState:
+    """What the passes of one ``run_chunks`` call read: the same for every chunk and block.
+
+    ``fused`` is the backend whose fused logits GEMM token chunks may use (``_plan``), ``w`` the
+    weight as the GEMMs read it (``weight_operand``), ``b`` the fp32 bias, ``res`` the results the
+    passes fill, and ``grad_sum`` where the token chunks sum grad_W when not in ``res.grad_weight``
+    itself. ``token_grads``: whether the token chunks compute gradients (their row kernel writes
+    d(loss)/d(logits) and grad_h follows)."""
+
+    backend: Backend
+    fused: Backend | None
+    plan: ChunkPlan
+    opts: LossOptions
+    logits_dtype: torch.dtype
+    hidden: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor | None
+    labels: torch.Tensor
+    coef_ce: torch.Tensor | None
+    coef_z: torch.Tensor | None
+    lse_in: torch.Tensor | None
+    rows: _RowRecords
+    res: ChunkResult
+    grad_sum: torch.Tensor | None
+    token_grads: bool
+
+    def per_row(self, chunk: _Chunk) -> dict:
+        """The row kernel's per-row coefficients and given log-sum-exp for ``chunk``'s rows."""
+        return {
+            name: None if t is None else chunk.take(t)
+            for name, t in (("coef_ce", self.coef_ce), ("coef_z", self.coef_z), ("lse_in", self.lse_in))
+        }
+
+
+def _new_result(
+    hidden: torch.Tensor, vocab: int, losses: bool, grad_hidden: bool, grad_bias: bool, skips_rows: bool
+) -> ChunkResult:
+    """The result's buffers: ce and lse (``losses``), grad_h, and grad_b's fp32 sum; grad_W is
+    ``grad_weight_buffers``'. Where the token pass skips rows (``skips_rows``) they must read as
+    ignored ones, so the per-row buffers start as zeros."""
+    new = torch.zeros if skips_rows else torch.empty
+    n_rows, device = hidden.shape[0], hidden.device
+    res = ChunkResult(None, None, None, None, None)
+    if losses:
+        res.ce = new(n_rows, dtype=torch.float32, device=device)
+        res.lse = new(n_rows, dtype=torch.float32, device=device)
+    if grad_hidden:  # contiguous whatever hidden's strides (not empty_like)
+        res.grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=device)
+    if grad_bias:
+        res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    return res
 
 
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
@@ -400,73 +275,49 @@ def run_chunks(
         row_index,
     )
     rows = _RowRecords(class_weight, outputs, entropy_grad, row_index)
-    new = torch.empty  # rows the token pass skips must read as ignored ones: zeros
     if row_index is not None:
         rows.fill_skipped()
-        new = torch.zeros
-    n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
-    gemm_dtype = gemm_dtype_for(hidden)
-    b = None if bias is None else bias.float().contiguous()  # the fused GEMM reads it by column
-
-    res = ChunkResult(None, None, None, None, None)
-    if lse_in is None:
-        res.ce = new(n_rows, dtype=torch.float32, device=device)
-        res.lse = new(n_rows, dtype=torch.float32, device=device)
-    if compute_grad and need_hidden:  # contiguous whatever hidden's strides (not empty_like)
-        res.grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=device)
-    if compute_grad and need_bias:
-        res.grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
-    grad_sum = None  # where the token chunks sum grad_W, when not in res.grad_weight itself
+    res = _new_result(
+        hidden,
+        weight.shape[0],
+        losses=lse_in is None,
+        grad_hidden=compute_grad and need_hidden,
+        grad_bias=compute_grad and need_bias,
+        skips_rows=row_index is not None,
+    )
+    grad_sum = None
     if grad_weight_here:
-        res.grad_weight, grad_sum = _grad_weight_buffers(plan, weight, hidden.dtype)
+        res.grad_weight, grad_sum = grad_weight_buffers(plan, weight, hidden.dtype)
     copy_home = res.grad_weight if plan.weight_in_grad_weight else None
-    w = _weight_operand(weight, hidden.dtype, gemm_dtype, copy_home)
-
-    token_grads = compute_grad and (need_hidden or not plan.two_pass)
+    state = _PassState(
+        backend=backend,
+        fused=fused,
+        plan=plan,
+        opts=opts,
+        logits_dtype=logits_dtype,
+        hidden=hidden,
+        w=weight_operand(weight, hidden.dtype, gemm_dtype_for(hidden), copy_home),
+        b=None if bias is None else bias.float().contiguous(),  # the fused GEMM reads it by column
+        labels=labels,
+        coef_ce=coef_ce,
+        coef_z=coef_z,
+        lse_in=lse_in,
+        rows=rows,
+        res=res,
+        grad_sum=grad_sum,
+        token_grads=compute_grad and (need_hidden or not plan.two_pass),
+    )
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
-    if lse_in is None or token_grads:
-        _token_pass(
-            backend,
-            fused,
-            plan,
-            hidden,
-            w,
-            b,
-            labels,
-            opts,
-            logits_dtype,
-            res,
-            coef_ce,
-            coef_z,
-            lse_in,
-            token_grads,
-            rows,
-            grad_sum,
-        )
+    if lse_in is None or state.token_grads:
+        _token_pass(state)
     if plan.two_pass:
-        lse = lse_in if lse_in is not None else res.lse
-        if outputs is not None and outputs.token_scale is not None and coef_ce is not None:
-            # pass A's kernel applied the token scale to its own rows
-            coef_ce, coef_z = coef_ce * outputs.token_scale, coef_z * outputs.token_scale
-        _vocab_pass(
-            backend,
-            plan,
-            hidden.to(gemm_dtype),
-            w,
-            b,
-            labels,
-            opts,
-            logits_dtype,
-            coef_ce,
-            coef_z,
-            lse,
-            res,
-            rows,
-        )
+        _vocab_pass(state)
 
-    del w  # the weight's copy: in grad_W's second half, which the widening below overwrites
+    # The state holds the weight's copy: drop it before grad_W is made (its own tensor), or
+    # before the widening overwrites it (in grad_W's second half).
+    del state
     if grad_sum is not None and plan.weight_in_grad_weight:
-        _widen_in_place(res.grad_weight, grad_sum.dtype)
+        widen_in_place(res.grad_weight, grad_sum.dtype)
     elif grad_sum is not None:
         res.grad_weight = grad_sum.to(weight.dtype)
     if res.grad_bias is not None:
@@ -474,117 +325,99 @@ def run_chunks(
     return res
 
 
-def _token_pass(
-    backend: Backend,
-    fused: Backend | None,
-    plan: ChunkPlan,
-    hidden: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    labels: torch.Tensor,
-    opts: LossOptions,
-    logits_dtype: torch.dtype,
-    res: ChunkResult,
-    coef_ce: torch.Tensor | None,
-    coef_z: torch.Tensor | None,
-    lse_in: torch.Tensor | None,
-    token_grads: bool,
-    rows: _RowRecords,
-    grad_sum: torch.Tensor | None,
-) -> None:
+def _token_pass(state: _PassState) -> None:
     """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h,
-    summed in ``grad_sum`` when given, else in ``res.grad_weight``.
+    summed in ``state.grad_sum`` when given, else in ``res.grad_weight``.
 
     On the two-pass path the chunks may live in grad_W's bytes (``plan.logits_in_grad_weight``),
     free until pass B writes it (its first half, when the weight's copy fills the second)."""
-    n_rows, vocab = hidden.shape[0], w.shape[0]
-    scratch = res.grad_weight if plan.logits_in_grad_weight else None
-    grad_weight = res.grad_weight if grad_sum is None else grad_sum
-    for chunk in rows.chunks(n_rows, plan.rows):
-        h = chunk.take(hidden).to(w.dtype)
-        out = None if scratch is None else _buffer_in(scratch, h.shape[0], vocab, logits_dtype)
-        logits, partials = _chunk_logits(h, w, b, opts, logits_dtype, out, fused)
-        g = _grad_view(logits, w.dtype) if token_grads else None
-        records, gathered = rows.for_chunk(chunk)
-        ce_c, lse_c = backend.row_kernel(
+    res, w = state.res, state.w
+    scratch = res.grad_weight if state.plan.logits_in_grad_weight else None
+    for chunk in state.rows.chunks(state.hidden.shape[0], state.plan.rows):
+        h = chunk.take(state.hidden).to(w.dtype)
+        out = None if scratch is None else buffer_in(scratch, h.shape[0], w.shape[0], state.logits_dtype)
+        logits, partials = chunk_logits(h, w, state.b, state.opts, state.logits_dtype, out, state.fused)
+        g = grad_view(logits, w.dtype) if state.token_grads else None
+        records, gathered = state.rows.for_chunk(chunk)
+        ce_c, lse_c = state.backend.row_kernel(
             logits,
-            chunk.take(labels),
-            opts,
+            chunk.take(state.labels),
+            state.opts,
             grad=g,
-            coef_ce=None if coef_ce is None else chunk.take(coef_ce),
-            coef_z=None if coef_z is None else chunk.take(coef_z),
-            lse_in=None if lse_in is None else chunk.take(lse_in),
+            **state.per_row(chunk),
             **records,
             **({} if partials is None else {"partials": partials}),
         )
         del partials  # now, not when the next chunk's are already allocated
-        rows.put_outputs(chunk, gathered)
+        state.rows.put_outputs(chunk, gathered)
         if res.ce is not None:
             chunk.put(res.ce, ce_c)
             chunk.put(res.lse, lse_c)
         if g is None:
             continue
-        if res.grad_hidden is not None:
-            if chunk.index is None:
-                _mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
-            else:
-                chunk.put(res.grad_hidden, g @ w)
-        if not plan.two_pass:
-            if grad_weight is not None:
-                _accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and plan.overwrite_first)
-            if res.grad_bias is not None:
-                res.grad_bias += g.sum(dim=0, dtype=torch.float32)
+        _token_chunk_grads(state, chunk, h, g)
         del logits, g
 
 
-def _vocab_pass(
-    backend: Backend,
-    plan: ChunkPlan,
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    labels: torch.Tensor,
-    opts: LossOptions,
-    logits_dtype: torch.dtype,
-    coef_ce: torch.Tensor,
-    coef_z: torch.Tensor,
-    lse: torch.Tensor,
-    res: ChunkResult,
-    rows: _RowRecords,
-) -> None:
+def _token_chunk_grads(state: _PassState, chunk: _Chunk, h: torch.Tensor, g: torch.Tensor) -> None:
+    """One token chunk's gradients from its d(loss)/d(logits) ``g``: grad_h's rows and, on the
+    one-pass path, its share of grad_W and grad_b."""
+    res, w = state.res, state.w
+    if res.grad_hidden is not None:
+        if chunk.index is None:
+            mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
+        else:
+            chunk.put(res.grad_hidden, g @ w)
+    if state.plan.two_pass:
+        return
+    grad_weight = res.grad_weight if state.grad_sum is None else state.grad_sum
+    if grad_weight is not None:
+        accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and state.plan.overwrite_first)
+    if res.grad_bias is not None:
+        res.grad_bias += g.sum(dim=0, dtype=torch.float32)
+
+
+def _vocab_pass(state: _PassState) -> None:
     """Pass B: grad_W (and grad_b) block by block over the vocabulary, from recomputed logits.
 
     The row kernel turns each block's ``tokens x cols`` logits into the gradient using the full
-    rows' log-sum-exp (``lse``), and one GEMM over all tokens writes that block of grad_W. Blocks
-    marked ``in_grad_weight`` keep their logits in grad_W's still unwritten last rows; the others
-    share one buffer sized by the budget.
+    rows' log-sum-exp (the given one, else pass A's), and one GEMM over all tokens writes that
+    block of grad_W. Blocks marked ``in_grad_weight`` keep their logits in grad_W's still
+    unwritten last rows; the others share one buffer sized by the budget.
     """
+    res, dtype, b = state.res, state.logits_dtype, state.b
+    coef_ce, coef_z = state.coef_ce, state.coef_z
+    token_scale = None if state.rows.outputs is None else state.rows.outputs.token_scale
+    if token_scale is not None and coef_ce is not None:
+        # pass A's kernel applied the token scale to its own rows
+        coef_ce, coef_z = coef_ce * token_scale, coef_z * token_scale
+    lse = state.lse_in if state.lse_in is not None else res.lse
+    h, w = state.hidden.to(state.w.dtype), state.w
     n_rows, vocab = h.shape[0], w.shape[0]
-    grad_weight = res.grad_weight
     buf = None
-    for v0, v1, in_grad_weight in plan.vocab_blocks:
+    for v0, v1, in_grad_weight in state.plan.vocab_blocks:
         if in_grad_weight:
-            out = _buffer_in(grad_weight, n_rows, v1 - v0, logits_dtype, at_end=True)
+            out = buffer_in(res.grad_weight, n_rows, v1 - v0, dtype, at_end=True)
         else:
             if buf is None:
-                buf = torch.empty(n_rows * (v1 - v0), dtype=logits_dtype, device=h.device)
+                buf = torch.empty(n_rows * (v1 - v0), dtype=dtype, device=h.device)
             out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
-        logits = gemm_logits(h, w[v0:v1], None if b is None else b[v0:v1], logits_dtype, out=out)
-        g = _grad_view(logits, h.dtype)
-        backend.row_kernel(
+        logits = gemm_logits(h, w[v0:v1], None if b is None else b[v0:v1], dtype, out=out)
+        g = grad_view(logits, h.dtype)
+        state.backend.row_kernel(
             logits,
-            labels,
-            opts,
+            state.labels,
+            state.opts,
             grad=g,
             coef_ce=coef_ce,
             coef_z=coef_z,
             lse_in=lse,
             col_offset=v0,
             vocab_total=vocab,
-            class_weight=rows.class_weight,
-            entropy_grad=rows.entropy_grad,
+            class_weight=state.rows.class_weight,
+            entropy_grad=state.rows.entropy_grad,
         )
-        _mm_into(grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
+        mm_into(res.grad_weight[v0:v1], g.t(), h)  # one GEMM over all tokens, rounded once
         if res.grad_bias is not None:
             res.grad_bias[v0:v1] += g.sum(dim=0, dtype=torch.float32)
         del logits, g, out

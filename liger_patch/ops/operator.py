@@ -28,6 +28,7 @@ from liger_patch.ops import budget, validation
 from liger_patch.ops.backends import Backend, pick
 from liger_patch.ops.chunked import ChunkResult, run_chunks
 from liger_patch.ops.options import LossOptions
+from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 from liger_patch.ops.torch_ce import ce_rows_torch, final_logits
 
@@ -48,35 +49,6 @@ def class_weight_record(class_weight: Tensor | None) -> ClassWeight | None:
         return None
     weight = class_weight.to(_F32).contiguous()
     return ClassWeight(weight, weight.sum())
-
-
-def loss_divisor(
-    opts: LossOptions,
-    keep: Tensor,
-    labels: Tensor,
-    class_weight: ClassWeight | None,
-    num_items: Tensor | None,
-    num_items_value: float | None,
-) -> Tensor | float:
-    """What the summed loss is divided by: ``num_items_in_batch``, else the number of kept tokens
-    (F.cross_entropy's sum of their class weights). A zero divisor can only be right when nothing
-    counts (the sum is then 0), so it is replaced by 1: the loss is exactly 0, never NaN. Class
-    weights summing to 0 over the kept labels say that no token counts, though z-loss and label
-    smoothing terms would still sum to more than 0: that divisor becomes inf, so every row
-    weighs exactly 0 (``F.cross_entropy`` gives NaN there)."""
-    if opts.reduction != "mean":
-        return 1.0
-    if num_items is not None:
-        den = num_items.to(device=keep.device, dtype=_F32).reshape(())
-    elif num_items_value is not None:
-        return num_items_value or 1.0
-    elif class_weight is not None:
-        valid = keep & (labels >= 0) & (labels < class_weight.weight.shape[0])  # checked after this
-        den = torch.where(valid, class_weight.weight[torch.where(valid, labels, 0)], 0.0).sum()
-        return torch.where(den == 0, torch.full_like(den, float("inf")), den)
-    else:
-        den = keep.sum().float()
-    return torch.where(den == 0, torch.ones_like(den), den)
 
 
 def _checked_labels(
@@ -117,21 +89,6 @@ def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
     )
 
 
-def reduce_rows(rows: Tensor, reduction: str, divisor: Tensor | float) -> Tensor:
-    if reduction == "none":
-        return rows
-    total = rows.sum()
-    return total if reduction == "sum" else total / divisor
-
-
-def z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
-    """``z_loss_scale * lse^2`` per row; exactly 0 without z-loss (``0 * lse^2`` would be NaN
-    once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is finite)."""
-    if opts.z_loss_scale == 0.0:
-        return torch.zeros_like(lse)
-    return opts.z_loss_scale * lse.square()
-
-
 def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
     return torch.empty(0, dtype=dtype, device=like.device)
 
@@ -157,7 +114,7 @@ def flce(
     divisor = loss_divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
     labels, poison, kept_rows = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
     keep = labels != opts.ignore_index
-    row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
+    row_weight = row_weights(keep, opts.reduction, divisor)
     if poison is not None:
         row_weight = row_weight * poison
     precompute = _precompute(opts, hidden.dtype, needs)

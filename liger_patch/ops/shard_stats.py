@@ -29,7 +29,7 @@ import torch
 
 from liger_patch.ops import budget
 from liger_patch.ops.backends import Backend
-from liger_patch.ops.chunked import gemm_dtype_for, gemm_logits
+from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.options import LossOptions, build_options
 from liger_patch.ops.row_io import ClassWeight, RowOutputs
 from liger_patch.ops.torch_ce import final_logits

@@ -154,7 +154,7 @@ def check_values(
 ) -> int:
     """Raise for a label outside [0, V) that is not ``ignore_index`` (IndexError), or for a
     ``num_items_in_batch`` tensor that is negative or not finite (ValueError; ``divisor`` is it
-    as ``operator.loss_divisor`` made it, ``None`` when none was given as a tensor). Both are checked on the
+    as ``reduction.loss_divisor`` made it, ``None`` when none was given as a tensor). Both are checked on the
     device and read back in one host sync, with the number of labels that are not
     ``ignore_index``, which is returned."""
     keep = labels != ignore_index

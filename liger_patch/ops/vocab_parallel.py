@@ -44,13 +44,7 @@ from torch.autograd.function import once_differentiable
 from liger_patch.ops import outputs, shard_stats, validation
 from liger_patch.ops.backends import Backend, pick
 from liger_patch.ops.fused_linear_ce import autocast_inputs
-from liger_patch.ops.operator import (
-    class_weight_record,
-    loss_divisor,
-    recompute_grads,
-    reduce_rows,
-    z_loss_rows,
-)
+from liger_patch.ops.operator import class_weight_record, recompute_grads
 from liger_patch.ops.options import (
     DEFAULT_OPTIONS,
     LossOptions,
@@ -58,6 +52,7 @@ from liger_patch.ops.options import (
     check_logits_dtype,
     constant_changes,
 )
+from liger_patch.ops.reduction import loss_divisor, reduce_rows, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad
 from liger_patch.ops.torch_ce import RowStats, row_loss
 

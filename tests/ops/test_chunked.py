@@ -1,7 +1,9 @@
 """``chunked.run_chunks``'s kept-rows path: when some labels are ignored, the forward passes the
 kept rows' index and the token chunks gather those rows only (every GEMM shrinks by the share of
 ignored rows). The skipped rows must read exactly as ignored rows: ce = lse = 0, zero grad_h,
-argmax -1, entropy and token scale 0."""
+argmax -1, entropy and token scale 0.
+
+Then a wider weight's copy in grad_W's bytes, end to end (its pieces: test_grad_weight_layout.py)."""
 
 import dataclasses
 
@@ -197,8 +199,8 @@ def test_default_skips_from_five_percent_ignored(gen, device, row_indexes, n_ign
 
 @pytest.fixture
 def widenings(monkeypatch):
-    """The dtype each ``_widen_in_place`` call widened from (the layout was taken)."""
-    return record_calls(monkeypatch, chunked, "_widen_in_place", lambda args, kwargs, out: args[1])
+    """The dtype each ``widen_in_place`` call widened from (the layout was taken)."""
+    return record_calls(monkeypatch, chunked, "widen_in_place", lambda args, kwargs, out: args[1])
 
 
 @pytest.mark.parametrize(
@@ -260,16 +262,3 @@ def test_weight_copy_outside_grad_weight_when_unaligned(gen, device, widenings, 
     assert widenings == []
     for a, b in zip(wide[:4], rounded[:4], strict=True):
         assert torch.equal(a, b.to(a.dtype))
-
-
-@pytest.mark.parametrize(
-    "narrow, wide", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)], ids=str
-)
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 100, 4097, 1 << 20])
-def test_widen_in_place(gen, n, narrow, wide):
-    """Every value lands in place, for sizes that halve evenly and unevenly."""
-    values = torch.randn(n, generator=gen).to(narrow)
-    buffer = torch.full((n,), float("nan"), dtype=wide)
-    buffer.view(narrow)[:n] = values
-    chunked._widen_in_place(buffer, narrow)
-    assert torch.equal(buffer, values.to(wide))

@@ -425,7 +425,7 @@ def _record(mp: pytest.MonkeyPatch, module, name: str, calls: collections.Counte
     def spy(*args, **kwargs):
         calls[name] += 1
         result = real(*args, **kwargs)
-        if name == "_chunk_logits" and result[1] is not None:
+        if name == "chunk_logits" and result[1] is not None:
             calls["logits_with_partials"] += 1  # the chunk went through the fused logits GEMM
         return result
 
@@ -438,9 +438,9 @@ def chunk_plan(spec: Spec):
     calls = collections.Counter()
     with pytest.MonkeyPatch.context() as mp:
         _record(mp, chunked, "_vocab_pass", calls)
-        _record(mp, chunked, "_chunk_logits", calls)
+        _record(mp, chunked, "chunk_logits", calls)
         yield calls
-    chunks = calls["_chunk_logits"]  # token chunks over the forward and any recomputing backward
+    chunks = calls["chunk_logits"]  # token chunks over the forward and any recomputing backward
     event(f"token chunks: {'0' if not chunks else '1' if chunks == 1 else '2-4' if chunks <= 4 else '5+'}")
     if calls["_vocab_pass"]:
         event("path: two-pass")

@@ -84,7 +84,7 @@ def test_batch_budget_from_the_environment_and_as_an_option(monkeypatch):
 @pytest.fixture
 def logits_calls(monkeypatch):
     """Records the row count of every logits chunk the op builds."""
-    return record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: args[0].shape[0])
+    return record_calls(monkeypatch, chunked, "chunk_logits", lambda args, kwargs, out: args[0].shape[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -186,7 +186,7 @@ def logits_with_partials(
     Returns ``(pmax, psum, pz)``, each (rows, tiles) fp32: per vocabulary tile of each row, the
     max of the transformed logits ``z``, the sum of ``exp(z - max)``, and (label smoothing only,
     else ``None``) the sum of ``z``. ``bias`` must already be in the dtype whose values the
-    cuBLAS path adds (see ``chunked``). Call only where ``supported`` says so.
+    cuBLAS path adds (see ``gemm``). Call only where ``supported`` says so.
     """
     rows, k = h.shape
     vocab = w.shape[0]

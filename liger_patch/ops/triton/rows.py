@@ -282,7 +282,7 @@ def ce_rows_triton(
     With ``partials`` (``triton.logits.logits_with_partials``'s, for these logits) pass 1 is
     replaced by folding them, and ``(ce, lse)`` is returned as usual.
     ``grad`` may alias ``logits`` element for element (same dtype) or byte for byte with a
-    narrower dtype (a view of the same storage with the same row start); see ``chunked``.
+    narrower dtype (a view of the same storage with the same row start); see ``gemm.grad_view``.
     Partials carry the unweighted sum of z, so they are refused with class weights and label
     smoothing together.
     """

@@ -32,7 +32,7 @@ def _fused_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
 def fused_calls(monkeypatch):
     """Row counts of the chunks that went through the fused GEMM (those that came with partials)."""
     calls = []
-    real = chunked._chunk_logits
+    real = chunked.chunk_logits
 
     def spy(*args, **kwargs):
         logits, partials = real(*args, **kwargs)
@@ -40,7 +40,7 @@ def fused_calls(monkeypatch):
             calls.append(args[0].shape[0])
         return logits, partials
 
-    monkeypatch.setattr(chunked, "_chunk_logits", spy)
+    monkeypatch.setattr(chunked, "chunk_logits", spy)
     return calls
 
 

@@ -68,7 +68,7 @@ def _outputs(names, rows, device):
 
 def _run(fn, logits, labels, opts, *, grad=None, outputs=(), in_place=False, **kwargs):
     """One call of ``fn`` on its own copies: ``grad`` is None (forward only), a dtype, or "view"
-    (a bf16 view of the fp32 logits' bytes, as ``chunked._grad_view`` makes it)."""
+    (a bf16 view of the fp32 logits' bytes, as ``gemm.grad_view`` makes it)."""
     logits = logits.clone()
     out = _outputs(outputs, logits.shape[0], logits.device)
     g = None
