@@ -137,9 +137,7 @@ def flce(
             outputs=outputs,
             row_index=kept_rows,
         )
-    z_rows = z_loss_rows(res.lse, opts)
-    if outputs.token_scale is not None:  # the kernels scaled ce already
-        z_rows = z_rows * outputs.token_scale
+    z_rows = z_loss_rows(res.lse, opts, outputs.token_scale)  # the kernels scaled ce already
     loss = reduce_rows(res.ce + z_rows, opts.reduction, divisor)
     z_loss = reduce_rows(z_rows, opts.reduction, divisor)
     if poison is not None:

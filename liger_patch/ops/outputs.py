@@ -13,10 +13,11 @@ from collections import namedtuple
 
 import torch
 
-from liger_patch.ops.options import LossOptions
+from liger_patch.ops.options import OUTPUT_OPTIONS, LossOptions
 
-OUTPUT_NAMES = ("z_loss", "token_accuracy", "predicted_tokens", "entropy")
-"""The optional outputs, each returned when its ``return_<name>`` option is set."""
+OUTPUT_NAMES = tuple(option.removeprefix("return_") for option in OUTPUT_OPTIONS)
+"""The optional outputs, each returned when its ``return_<name>`` option (an option of the output
+kind) is set, in the options' order."""
 
 _TYPES = {
     names: namedtuple("FusedLossOutput", ("loss", *names))

@@ -56,9 +56,12 @@ def reduce_rows(rows: Tensor, reduction: str, divisor: Tensor | float) -> Tensor
     return total if reduction == "sum" else total / divisor
 
 
-def z_loss_rows(lse: Tensor, opts: LossOptions) -> Tensor:
-    """``z_loss_scale * lse^2`` per row; exactly 0 without z-loss (``0 * lse^2`` would be NaN
-    once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is finite)."""
+def z_loss_rows(lse: Tensor, opts: LossOptions, token_scale: Tensor | None = None) -> Tensor:
+    """``z_loss_scale * lse^2`` per row, times the row's ``token_scale`` when token scaling gives
+    one (as the row kernels scale the cross-entropy); exactly 0 without z-loss (``0 * lse^2``
+    would be NaN once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is
+    finite)."""
     if opts.z_loss_scale == 0.0:
         return torch.zeros_like(lse)
-    return opts.z_loss_scale * lse.square()
+    z_rows = opts.z_loss_scale * lse.square()
+    return z_rows if token_scale is None else z_rows * token_scale

@@ -52,7 +52,7 @@ from liger_patch.ops.options import (
     check_logits_dtype,
     constant_changes,
 )
-from liger_patch.ops.reduction import loss_divisor, reduce_rows, z_loss_rows
+from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad
 from liger_patch.ops.torch_ce import RowStats, row_loss
 
@@ -184,9 +184,7 @@ def _rows(
     ce, token_scale = row_loss(stats, labels, opts, cw, vocab, token_scaling=opts.use_token_scaling)
     zero = torch.zeros((), dtype=_F32, device=labels.device)
     lse = torch.where(keep, stats.lse, zero)
-    z_rows = z_loss_rows(lse, opts)
-    if token_scale is not None:
-        z_rows = z_rows * token_scale
+    z_rows = z_loss_rows(lse, opts, token_scale)
     argmax = comb.get("argmax")
     if argmax is not None:
         argmax = torch.where(keep, argmax, -1)
@@ -221,7 +219,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         )
         loss = reduce_rows(rows.ce + rows.z, opts.reduction, divisor)
         z_loss = reduce_rows(rows.z, opts.reduction, divisor)
-        row_weight = keep.float() / divisor if opts.reduction == "mean" else keep.float()
+        row_weight = row_weights(keep, opts.reduction, divisor)
         if rows.token_scale is not None:
             row_weight = row_weight * rows.token_scale
         argmax = rows.argmax if rows.argmax is not None else _empty(hidden, torch.int64)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from liger_patch import env
-from liger_patch.ops.options import build_options
+from liger_patch.ops.options import FLAG_NAMES, build_options
 from liger_patch.ops.outputs import OUTPUT_NAMES
 from liger_patch.patching.call import bind_call, positional_names, wants_fused_path
 from liger_patch.patching.capture import HeadCapture
@@ -68,12 +68,13 @@ _SOURCES = {
 assert tuple(_SOURCES) == FORWARD_SETS
 
 
-CALL_FLAGS = ("return_token_accuracy", "return_predicted_tokens", "return_entropy", "use_token_scaling")
-"""Loss options a call may pass to the patched model as keywords (TRL's SFTTrainer sent
-``return_token_accuracy`` and ``use_token_scaling`` with ``use_liger_kernel`` before its own fused
-head, as liger-kernel's patched models accept them); they are taken out of the call (the model's
-forward never sees them) and turn that option on for the call. The outputs land on the output as
-attributes: ``outputs.token_accuracy``, ``outputs.predicted_tokens``, ``outputs.entropy``."""
+CALL_FLAGS = tuple(name for name in FLAG_NAMES if name not in FORWARD_SETS)
+"""The on/off loss options the forward does not set itself. A call may pass them to the patched
+model as keywords (TRL's SFTTrainer sent ``return_token_accuracy`` and ``use_token_scaling`` with
+``use_liger_kernel`` before its own fused head, as liger-kernel's patched models accept them);
+they are taken out of the call (the model's forward never sees them) and turn that option on for
+the call. The outputs land on the output as attributes: ``outputs.token_accuracy``,
+``outputs.predicted_tokens``, ``outputs.entropy``."""
 
 OUTPUT_ATTRS = OUTPUT_NAMES
 """Attributes the fused path sets on a ModelOutput, the op's outputs (``None`` when not asked for)."""

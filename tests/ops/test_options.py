@@ -128,8 +128,9 @@ def test_a_field_without_a_kind_is_refused_naming_it():
 
 
 def test_output_names_follow_the_output_options():
-    """``outputs.py`` names each output as its option without "return_", in the same order."""
-    assert tuple(name.removeprefix("return_") for name in OUTPUT_OPTIONS) == OUTPUT_NAMES
+    """``outputs.py`` names each output as its option without "return_", in the options' order,
+    which is the order a call returns them in (a contract: ``loss, z_loss, accuracy = ...``)."""
+    assert OUTPUT_NAMES == ("z_loss", "token_accuracy", "predicted_tokens", "entropy")
 
 
 def test_option_defaults_by_kind():

@@ -92,3 +92,16 @@ def test_keywords_never_reach_the_model_body(pair):
     finally:
         hook.remove()
     assert len(seen) == 2 and not any(names & set(kwargs) for names in seen)
+
+
+def test_call_flags_are_the_on_off_options_the_forward_leaves_to_the_call():
+    """A patched model takes TRL's and liger-kernel's per-call keywords (derived from the
+    options' types, minus what the forward sets itself)."""
+    from liger_patch.patching.forward import CALL_FLAGS
+
+    assert CALL_FLAGS == (
+        "return_token_accuracy",
+        "return_predicted_tokens",
+        "return_entropy",
+        "use_token_scaling",
+    )
