@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from liger_patch.patching.derive import CAUSAL_LM, TASKS
-from liger_patch.patching.verify import FAILED, Verdict, batch_to, sweep, verify_model
+from liger_patch.verify.compare import batch_to, verify_model
+from liger_patch.verify.sweep import sweep
+from liger_patch.verify.verdicts import FAILED, Verdict
 
 __all__ = ["add_arguments", "run_verify"]
 
@@ -43,12 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _user_model(spec: str, trust_remote_code: bool) -> torch.nn.Module:
     """A tiny random model of the user's architecture: ``module:Class`` or a config location."""
-    from liger_patch.patching import tiny
+    from liger_patch.verify.models import tiny_model_from_config
 
     module_name, _, class_name = spec.partition(":")
     if class_name and not os.path.exists(spec):
         cls = getattr(importlib.import_module(module_name), class_name)
-        return tiny.tiny_model_from_config(cls.config_class(), cls)
+        return tiny_model_from_config(cls.config_class(), cls)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
@@ -57,15 +59,15 @@ def _user_model(spec: str, trust_remote_code: bool) -> torch.nn.Module:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], spec)
-        return tiny.tiny_model_from_config(config, cls)
-    return tiny.tiny_model_from_config(config)
+        return tiny_model_from_config(config, cls)
+    return tiny_model_from_config(config)
 
 
 def _verify_user_model(args: argparse.Namespace, dtype: torch.dtype) -> list[Verdict]:
-    from liger_patch.patching import tiny
+    from liger_patch.verify.batches import example_batch
 
     model = _user_model(args.model, args.trust_remote_code)  # the batch is built for it in fp32 on CPU
-    batch = batch_to(tiny.example_batch(model), torch.device(args.device), dtype)
+    batch = batch_to(example_batch(model), torch.device(args.device), dtype)
     model.to(device=args.device, dtype=dtype)
     verdict = verify_model(model, batch)
     verdict.model_type = getattr(model.config, "model_type", "") or type(model).__name__

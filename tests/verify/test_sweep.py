@@ -12,9 +12,12 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.patching import forward, verify
+from liger_patch.patching import forward
 from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 from liger_patch.patching.registry import BUILTIN_ROWS
+from liger_patch.verify.compare import verify_model
+from liger_patch.verify.sweep import sweep, verify_type
+from liger_patch.verify.verdicts import FAILED, REFUSED, VERIFIED, Verdict
 from tests.patching.custom_model import TinyMlpConfig, TinyMlpForCausalLM
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -31,17 +34,17 @@ def committed_results() -> dict | None:
 
 
 @pytest.fixture(scope="module")
-def sweep_verdicts() -> list[verify.Verdict]:
+def sweep_verdicts() -> list[Verdict]:
     """The whole sweep, on the torch backend: it checks the patching of ~280 types; the Triton
     kernels (interpreted on CPU, seconds per call) are checked in depth by tests/ops and by
     test_models.py's families."""
-    return verify.sweep(options={"backend": "torch"})
+    return sweep(options={"backend": "torch"})
 
 
 def test_sweep_fails_no_type(sweep_verdicts):
-    failed = [f"{v.task}/{v.model_type}: {v.reason}" for v in sweep_verdicts if v.status == verify.FAILED]
+    failed = [f"{v.task}/{v.model_type}: {v.reason}" for v in sweep_verdicts if v.status == FAILED]
     assert not failed, "\n".join(failed)
-    assert all(v.reason for v in sweep_verdicts if v.status == verify.REFUSED), "a refusal without a reason"
+    assert all(v.reason for v in sweep_verdicts if v.status == REFUSED), "a refusal without a reason"
 
 
 def test_sweep_matches_the_committed_results_for_this_transformers(sweep_verdicts):
@@ -81,7 +84,7 @@ def test_named_types_are_verified_or_refused_specifically(sweep_verdicts):
         (IMAGE_TEXT_TO_TEXT, "paligemma"),
     ]:
         if key in by_type:
-            assert by_type[key].status == verify.VERIFIED, (key, by_type[key].reason)
+            assert by_type[key].status == VERIFIED, (key, by_type[key].reason)
 
 
 def scaled_loss(scale_value: float, scale_grad: float):
@@ -102,8 +105,8 @@ def scaled_loss(scale_value: float, scale_grad: float):
 )
 def test_a_wrong_loss_or_gradient_is_reported_as_failed(monkeypatch, value, grad, named):
     monkeypatch.setattr(forward, "fused_head_loss", scaled_loss(value, grad))
-    verdict = verify.verify_type("llama")
-    assert verdict.status == verify.FAILED and named in verdict.reason, verdict
+    verdict = verify_type("llama")
+    assert verdict.status == FAILED and named in verdict.reason, verdict
 
 
 def test_a_fallback_is_reported_as_refused_with_its_reason():
@@ -118,8 +121,8 @@ def test_a_fallback_is_reported_as_refused_with_its_reason():
     torch.manual_seed(0)
     model = TransposingLM(TinyMlpConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
     ids = torch.randint(0, 64, (2, 8))
-    verdict = verify.verify_model(model, {"input_ids": ids, "labels": ids})
-    assert verdict.status == verify.REFUSED and "transpose" in verdict.reason
+    verdict = verify_model(model, {"input_ids": ids, "labels": ids})
+    assert verdict.status == REFUSED and "transpose" in verdict.reason
 
 
 def test_a_users_own_architecture_patches_with_no_registration():
@@ -128,8 +131,8 @@ def test_a_users_own_architecture_patches_with_no_registration():
     ids = torch.randint(0, 97, (2, 11))
     labels = ids.clone()
     labels[:, 0] = labels[:, -1] = -100
-    verdict = verify.verify_model(model, {"input_ids": ids, "labels": labels})
-    assert verdict.status == verify.VERIFIED, verdict
+    verdict = verify_model(model, {"input_ids": ids, "labels": labels})
+    assert verdict.status == VERIFIED, verdict
     assert lp.supported_models(derived=False) == BUILTIN
 
 

@@ -1,4 +1,4 @@
-"""Tiny random models and batches of any model type (liger_patch.patching.tiny).
+"""Tiny random models and batches of any model type (the factory in liger_patch.verify).
 
 A handful of representative types: a dense and a mixture-of-experts causal LM, and three
 vision-language layouts (Gemma 3 pooled patches, LLaVA placeholders, Qwen2-VL patch grids).
@@ -11,14 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_patch.patching import tiny
+from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
+from liger_patch.verify.batches import example_batch
+from liger_patch.verify.config_rules import TinyModelError
+from liger_patch.verify.configs import tiny_config
+from liger_patch.verify.models import model_class, model_types, tiny_model, tiny_model_from_config
 
 CASES = [
-    ("llama", tiny.CAUSAL_LM),
-    ("qwen3_moe", tiny.CAUSAL_LM),
-    ("gemma3", tiny.IMAGE_TEXT_TO_TEXT),
-    ("llava", tiny.IMAGE_TEXT_TO_TEXT),
-    ("qwen2_vl", tiny.IMAGE_TEXT_TO_TEXT),
+    ("llama", CAUSAL_LM),
+    ("qwen3_moe", CAUSAL_LM),
+    ("gemma3", IMAGE_TEXT_TO_TEXT),
+    ("llava", IMAGE_TEXT_TO_TEXT),
+    ("qwen2_vl", IMAGE_TEXT_TO_TEXT),
 ]
 IDS = [f"{task}:{model_type}" for model_type, task in CASES]
 
@@ -28,36 +32,36 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 def _model(model_type: str, task: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model, skipping a type the installed transformers does not have."""
-    if model_type not in tiny.model_types(task):
+    if model_type not in model_types(task):
         pytest.skip(f"transformers has no {task} class for {model_type}")
-    return tiny.tiny_model(model_type, task, seed=seed)
+    return tiny_model(model_type, task, seed=seed)
 
 
 def _loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
     """The training loss of one forward on the example batch."""
-    return model(**tiny.example_batch(model, seed=seed)).loss
+    return model(**example_batch(model, seed=seed)).loss
 
 
 def test_model_types_are_sorted_and_known():
-    for task in (tiny.CAUSAL_LM, tiny.IMAGE_TEXT_TO_TEXT):
-        types = tiny.model_types(task)
+    for task in (CAUSAL_LM, IMAGE_TEXT_TO_TEXT):
+        types = model_types(task)
         assert types == sorted(types)
         assert len(types) > 20
-    assert "llama" in tiny.model_types(tiny.CAUSAL_LM)
-    assert tiny.model_class("llama", tiny.CAUSAL_LM).__name__ == "LlamaForCausalLM"
+    assert "llama" in model_types(CAUSAL_LM)
+    assert model_class("llama", CAUSAL_LM).__name__ == "LlamaForCausalLM"
 
 
 def test_unknown_type_and_task_are_refused():
-    with pytest.raises(tiny.TinyModelError, match="no-such-type"):
-        tiny.model_class("no-such-type", tiny.CAUSAL_LM)
+    with pytest.raises(TinyModelError, match="no-such-type"):
+        model_class("no-such-type", CAUSAL_LM)
     with pytest.raises(ValueError, match="unknown task"):
-        tiny.model_types("fill-mask")
+        model_types("fill-mask")
 
 
 def test_tiny_config_shrinks_nested_configs():
     from transformers import AutoConfig
 
-    config = tiny.tiny_config(AutoConfig.for_model("llava"))
+    config = tiny_config(AutoConfig.for_model("llava"))
     assert config.text_config.hidden_size <= 64
     assert config.text_config.num_hidden_layers == 2
     assert config.vision_config.hidden_size <= 64
@@ -68,7 +72,7 @@ def test_tiny_config_shrinks_nested_configs():
 @pytest.mark.parametrize(("model_type", "task"), CASES, ids=IDS)
 def test_batch_ignores_first_middle_last(model_type, task):
     model = _model(model_type, task)
-    batch = tiny.example_batch(model, batch_size=2, seq_len=16)
+    batch = example_batch(model, batch_size=2, seq_len=16)
     labels = batch["labels"]
     length = labels.shape[1]
     assert labels.dtype == torch.int64 and batch["input_ids"].shape == labels.shape
@@ -77,7 +81,7 @@ def test_batch_ignores_first_middle_last(model_type, task):
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             assert value.dtype == torch.float32
-    if task == tiny.IMAGE_TEXT_TO_TEXT:
+    if task == IMAGE_TEXT_TO_TEXT:
         assert "pixel_values" in batch
         placeholders = batch["input_ids"] == model.config.image_token_id
         assert placeholders.any(dim=1).all()
@@ -108,13 +112,13 @@ def test_same_seed_same_loss(model_type, task):
 def test_tiny_model_from_config_picks_the_class():
     from transformers import AutoConfig
 
-    model = tiny.tiny_model_from_config(AutoConfig.for_model("llava"))
+    model = tiny_model_from_config(AutoConfig.for_model("llava"))
     assert type(model).__name__ == "LlavaForConditionalGeneration"
-    model = tiny.tiny_model_from_config(AutoConfig.for_model("llama"), seed=1)
+    model = tiny_model_from_config(AutoConfig.for_model("llama"), seed=1)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert torch.isfinite(_loss(model))
 
 
 def test_refusal_names_the_type():
-    with pytest.raises(tiny.TinyModelError, match="gemma3n"):
-        tiny.tiny_model("gemma3n", tiny.IMAGE_TEXT_TO_TEXT)
+    with pytest.raises(TinyModelError, match="gemma3n"):
+        tiny_model("gemma3n", IMAGE_TEXT_TO_TEXT)
