@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a tiny random model of each causal-LM and image-text-to-text type of the "
         "installed transformers (or of your own architecture with --model), run one training step "
         "unpatched and patched from the same weights, compare the loss and every gradient, and "
-        "classify each type as verified, refused (with the reason) or failed. Exit status 1 when "
-        "any failed.",
+        "classify each type as verified, refused (the patch declines it, with the reason) or failed, "
+        "or say why there was nothing to compare: unbuildable (no tiny model can be built here), "
+        "builder-error (building it raised) or unpatched-fails (the unpatched model fails on its "
+        "own batch). Exit status 1 when any failed.",
     )
     add_verify_arguments(verify)
     return parser

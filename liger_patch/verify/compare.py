@@ -19,7 +19,15 @@ from liger_patch.patching.apply import apply_liger_to
 from liger_patch.patching.head import fusable_head
 from liger_patch.patching.registry import UnsupportedModelError
 from liger_patch.patching.state import patch_state
-from liger_patch.verify.verdicts import FAILED, REFUSED, VERIFIED, Tolerance, Verdict, brief
+from liger_patch.verify.verdicts import (
+    FAILED,
+    REFUSED,
+    UNPATCHED_FAILS,
+    VERIFIED,
+    Tolerance,
+    Verdict,
+    brief,
+)
 
 __all__ = ["batch_to", "verify_model"]
 
@@ -111,14 +119,17 @@ def verify_model(
     options: dict[str, Any] | None = None,
 ) -> Verdict:
     """Train ``model`` (left untouched: copies are used) one step unpatched and patched (with
-    ``apply_liger_to``'s ``options``) on ``batch`` and compare; the verdict's ``model_type`` /
-    ``task`` are left for the caller."""
+    ``apply_liger_to``'s ``options``) on ``batch`` and compare: **unpatched-fails** when the
+    unpatched step gives nothing to compare with, **refused** when the patch declines the model
+    (``apply_liger_to`` refuses it, or the forward falls back), else **verified** or **failed**.
+    The verdict's ``model_type`` / ``task`` are left for the caller."""
     tolerance = tolerance or Tolerance.for_dtype(next(model.parameters()).dtype)
     reference, patched = copy.deepcopy(model).train(), copy.deepcopy(model).train()
-    verdict = Verdict(model_type="", task="", status=REFUSED, class_name=type(model).__name__)
+    verdict = Verdict(model_type="", task="", status=UNPATCHED_FAILS, class_name=type(model).__name__)
     ref_loss, verdict.reason = _reference_step(reference, batch, seed)
     if ref_loss is None:
         return verdict
+    verdict.status = REFUSED
     try:
         apply_liger_to(patched, **(options or {}))
     except UnsupportedModelError as error:

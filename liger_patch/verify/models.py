@@ -118,8 +118,9 @@ def tiny_model_from_config(config: PretrainedConfig, cls: type | None = None, *,
 
 
 def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type: str) -> nn.Module:
-    """The model with eager attention, else with its default attention; a model that does not
-    build either way raises :class:`TinyModelError` saying why (a missing package, the error)."""
+    """The model with eager attention, else with its default attention. A missing package raises
+    :class:`TinyModelError` naming it; any other error of the eager attempt is raised as it is
+    (the factory did not foresee it: the sweep reports it as a builder error)."""
     try:
         return _build(cls, config, seed, eager=True)
     except ImportError as err:
@@ -128,7 +129,7 @@ def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type
         try:  # a model that rejects eager attention keeps its default
             return _build(cls, config, seed, eager=False)
         except Exception:
-            raise TinyModelError(f"{model_type}: {cls.__name__} does not build: {short(err)}") from err
+            raise err from None
 
 
 def _build(cls: type, config: PretrainedConfig, seed: int, *, eager: bool) -> nn.Module:

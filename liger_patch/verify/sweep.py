@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from liger_patch.patching.derive import CAUSAL_LM, TASKS
 from liger_patch.verify.compare import batch_to, verify_model
-from liger_patch.verify.verdicts import FAILED, REFUSED, Verdict, brief
+from liger_patch.verify.verdicts import BUILDER_ERROR, FAILED, UNBUILDABLE, Verdict, brief
 
 __all__ = ["sweep", "verify_type"]
 
@@ -29,8 +29,9 @@ def verify_type(
     seed: int = 0,
     options: dict[str, Any] | None = None,
 ) -> Verdict:
-    """Build a tiny ``model_type`` model for ``task`` and :func:`verify_model` it; a model that
-    cannot be built here (or whose unpatched step fails) is refused with the reason."""
+    """Build a tiny ``model_type`` model for ``task`` and :func:`verify_model` it. A model that
+    cannot be built here is **unbuildable** (a known reason: :class:`TinyModelError`) or a
+    **builder-error** (any other exception), with the reason; nothing is refused for it."""
     from liger_patch.verify.batches import example_batch
     from liger_patch.verify.models import tiny_model
 
@@ -40,14 +41,21 @@ def verify_type(
         batch = batch_to(example_batch(model, seed=seed), torch.device(device), dtype)
         model.to(device=device, dtype=dtype)
     except Exception as error:  # any failure to build is a reason to report, not a crash
-        verdict = Verdict(
-            model_type, task, REFUSED, reason=f"no tiny model could be built here: {brief(error)}"
-        )
+        verdict = _not_built(model_type, task, error)
     else:
         verdict = _checked(model, batch, seed, options)
         verdict.model_type, verdict.task = model_type, task
     verdict.seconds = round(time.perf_counter() - start, 3)
     return verdict
+
+
+def _not_built(model_type: str, task: str, error: Exception) -> Verdict:
+    """The verdict for a type whose tiny model or batch could not be made, and why."""
+    from liger_patch.verify.config_rules import TinyModelError
+
+    if isinstance(error, TinyModelError):
+        return Verdict(model_type, task, UNBUILDABLE, reason=" ".join(str(error).split())[:300])
+    return Verdict(model_type, task, BUILDER_ERROR, reason=brief(error))
 
 
 def _checked(model: nn.Module, batch: dict[str, Any], seed: int, options: dict[str, Any] | None) -> Verdict:

@@ -1,11 +1,9 @@
 """What the verification sweep says about a type: its status, the reason, the measured errors,
 and the tolerance they are judged by.
 
-* **verified**: the fused path ran (no logits built) and matched;
-* **refused**: ``apply_liger_to`` refuses it, or the patched forward falls back to the original
-  path, with the reason (nothing is patched on a guess);
-* **failed**: the fused path ran and did not match, or raised. A failed type goes into
-  ``derive.REFUSED`` until it is fixed: no silent wrong loss, ever.
+Each status has one meaning (``STATUS_MEANINGS``). Only **verified**, **refused** and
+**failed** say something about the patch; the other three say why there was nothing to compare,
+each for its own reason, so that "refused" always means the patch itself declined the type.
 """
 
 from __future__ import annotations
@@ -16,9 +14,45 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAILED", "REFUSED", "VERIFIED", "Tolerance", "Verdict", "brief"]
+__all__ = [
+    "BUILDER_ERROR",
+    "FAILED",
+    "REFUSED",
+    "STATUSES",
+    "STATUS_MEANINGS",
+    "UNBUILDABLE",
+    "UNPATCHED_FAILS",
+    "VERIFIED",
+    "Tolerance",
+    "Verdict",
+    "brief",
+]
 
-VERIFIED, REFUSED, FAILED = "verified", "refused", "failed"
+VERIFIED = "verified"
+REFUSED = "refused"
+FAILED = "failed"
+UNBUILDABLE = "unbuildable"
+BUILDER_ERROR = "builder-error"
+UNPATCHED_FAILS = "unpatched-fails"
+
+STATUS_MEANINGS: dict[str, str] = {
+    VERIFIED: "the fused path ran (no logits built) and the loss and every parameter's gradient "
+    "matched the unpatched step",
+    REFUSED: "the patch itself declines the type: `apply_liger_to` refuses it, or its forward falls "
+    "back to the original path; the reason says why (nothing is patched on a guess)",
+    FAILED: "the fused path ran and did not match, or raised. A failed type goes into "
+    "`derive.KNOWN_MISMATCHES` until it is fixed: no silent wrong loss, ever",
+    UNBUILDABLE: "no tiny model of the type can be built here, for a known reason (a package or hub "
+    "download this machine lacks, a config the tiny sizes cannot satisfy, a forward that takes no "
+    "labels)",
+    BUILDER_ERROR: "building the tiny model or its batch raised an unexpected exception: the "
+    "tiny-model factory does not handle the type yet",
+    UNPATCHED_FAILS: "the unpatched model fails on its own batch (it raises, or its loss or a "
+    "gradient is not finite): the model's own trouble, nothing to compare the patch with",
+}
+"""Every status, in the order summaries list them, and what it means."""
+
+STATUSES = tuple(STATUS_MEANINGS)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def test_a_model_type_names_its_causal_lm_and_its_vlm_class():
 
 
 def test_a_refused_type_is_refused_with_its_reason(monkeypatch):
-    monkeypatch.setitem(derive.REFUSED, "llama", "the sweep found its gradients differ")
+    monkeypatch.setitem(derive.KNOWN_MISMATCHES, "llama", "the sweep found its gradients differ")
     model = tiny_model("llama")
     with pytest.raises(
         lp.UnsupportedModelError, match="'llama' is refused: the sweep found its gradients differ"

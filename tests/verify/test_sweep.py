@@ -1,5 +1,6 @@
 """The verification sweep: every model type of the installed transformers, patched against
-unpatched, with no failure; a wrong fused loss or gradient is caught; users' own models pass."""
+unpatched, with no failure; a wrong fused loss or gradient is caught; a type that gives nothing
+to compare is not called refused; users' own models pass."""
 
 from __future__ import annotations
 
@@ -15,9 +16,19 @@ import liger_patch as lp
 from liger_patch.patching import forward
 from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 from liger_patch.patching.registry import BUILTIN_ROWS
+from liger_patch.verify import models
 from liger_patch.verify.compare import verify_model
 from liger_patch.verify.sweep import sweep, verify_type
-from liger_patch.verify.verdicts import FAILED, REFUSED, VERIFIED, Verdict
+from liger_patch.verify.verdicts import (
+    BUILDER_ERROR,
+    FAILED,
+    REFUSED,
+    STATUSES,
+    UNBUILDABLE,
+    UNPATCHED_FAILS,
+    VERIFIED,
+    Verdict,
+)
 from tests.patching.custom_model import TinyMlpConfig, TinyMlpForCausalLM
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -44,7 +55,9 @@ def sweep_verdicts() -> list[Verdict]:
 def test_sweep_fails_no_type(sweep_verdicts):
     failed = [f"{v.task}/{v.model_type}: {v.reason}" for v in sweep_verdicts if v.status == FAILED]
     assert not failed, "\n".join(failed)
-    assert all(v.reason for v in sweep_verdicts if v.status == REFUSED), "a refusal without a reason"
+    assert all(v.status in STATUSES for v in sweep_verdicts)
+    unexplained = [v.model_type for v in sweep_verdicts if v.status != VERIFIED and not v.reason]
+    assert not unexplained, f"not verified, without a reason: {unexplained}"
 
 
 def test_sweep_matches_the_committed_results_for_this_transformers(sweep_verdicts):
@@ -71,20 +84,56 @@ def test_sweep_matches_the_committed_results_for_this_transformers(sweep_verdict
     assert not changed, f"(task, model_type): (committed, now) = {changed}"
 
 
+# Types every supported transformers has, with what the sweep must find: (status, a fragment of
+# the reason). A refusal names the op or layer that does not fit.
+NAMED = {
+    (CAUSAL_LM, "llama"): (VERIFIED, ""),
+    (CAUSAL_LM, "gemma2"): (VERIFIED, ""),
+    (CAUSAL_LM, "qwen3_moe"): (VERIFIED, ""),
+    (CAUSAL_LM, "bert"): (VERIFIED, ""),
+    (CAUSAL_LM, "bart"): (VERIFIED, ""),
+    (CAUSAL_LM, "prophetnet"): (REFUSED, "logits.transpose"),
+    (CAUSAL_LM, "musicgen"): (REFUSED, "ModuleList"),
+    (IMAGE_TEXT_TO_TEXT, "llava"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "qwen2_vl"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "paligemma"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "chameleon"): (REFUSED, "__setitem__"),
+    (IMAGE_TEXT_TO_TEXT, "idefics"): (REFUSED, "IdeficsDecoupledLinear"),
+    (IMAGE_TEXT_TO_TEXT, "gemma3n"): (UNBUILDABLE, "timm"),
+}
+# Types transformers 4.57 does not have: named from the version that added them.
+NAMED_SINCE: dict[str, dict[tuple[str, str], tuple[str, str]]] = {
+    "5.0": {
+        (CAUSAL_LM, "gemma4_assistant"): (UNBUILDABLE, "takes no labels"),
+    },
+}
+
+
+def named_types() -> dict[tuple[str, str], tuple[str, str]]:
+    """``NAMED`` and the ``NAMED_SINCE`` entries the installed transformers is new enough for."""
+    import transformers
+    from packaging.version import Version
+
+    named = dict(NAMED)
+    for since, types in NAMED_SINCE.items():
+        if Version(transformers.__version__) >= Version(since):
+            named.update(types)
+    return named
+
+
 def test_named_types_are_verified_or_refused_specifically(sweep_verdicts):
+    """Each named type is in the sweep (a type that disappears fails here) with its status and,
+    when not verified, its reason."""
     by_type = {(v.task, v.model_type): v for v in sweep_verdicts}
-    for key in [
-        (CAUSAL_LM, "llama"),
-        (CAUSAL_LM, "gemma2"),
-        (CAUSAL_LM, "qwen3_moe"),
-        (CAUSAL_LM, "bert"),
-        (CAUSAL_LM, "bart"),
-        (IMAGE_TEXT_TO_TEXT, "llava"),
-        (IMAGE_TEXT_TO_TEXT, "qwen2_vl"),
-        (IMAGE_TEXT_TO_TEXT, "paligemma"),
-    ]:
-        if key in by_type:
-            assert by_type[key].status == VERIFIED, (key, by_type[key].reason)
+    named = named_types()
+    missing = sorted(key for key in named if key not in by_type)
+    assert not missing, f"named types the sweep no longer has: {missing}"
+    wrong = {
+        key: (by_type[key].status, by_type[key].reason)
+        for key, (status, fragment) in named.items()
+        if by_type[key].status != status or fragment not in by_type[key].reason
+    }
+    assert not wrong, f"(task, model_type): (status, reason) = {wrong}"
 
 
 def scaled_loss(scale_value: float, scale_grad: float):
@@ -125,6 +174,46 @@ def test_a_fallback_is_reported_as_refused_with_its_reason():
     assert verdict.status == REFUSED and "transpose" in verdict.reason
 
 
+def test_a_type_with_no_tiny_model_here_is_unbuildable_not_refused():
+    verdict = verify_type("gemma3n", IMAGE_TEXT_TO_TEXT)
+    assert verdict.status == UNBUILDABLE and "timm" in verdict.reason, verdict
+
+
+def test_a_builder_exception_is_its_own_status(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape '[-1, 2]' is invalid")
+
+    monkeypatch.setattr(models, "tiny_model", broken)
+    verdict = verify_type("llama")
+    assert verdict.status == BUILDER_ERROR, verdict
+    assert verdict.reason == "RuntimeError: shape '[-1, 2]' is invalid"
+
+
+class FailingLM(TinyMlpForCausalLM):
+    """A model whose own forward raises on every batch."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        raise AttributeError("'CausalLMOutput' object has no attribute 'image_outputs'")
+
+
+class NanLM(TinyMlpForCausalLM):
+    """A model whose own loss is NaN."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        output = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        output["loss"] = output["loss"] * float("nan")
+        return output
+
+
+@pytest.mark.parametrize(("cls", "named"), [(FailingLM, "image_outputs"), (NanLM, "not finite")])
+def test_an_unpatched_model_failing_on_its_batch_is_not_refused(cls, named):
+    torch.manual_seed(0)
+    model = cls(TinyMlpConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
+    ids = torch.randint(0, 64, (2, 8))
+    verdict = verify_model(model, {"input_ids": ids, "labels": ids})
+    assert verdict.status == UNPATCHED_FAILS and named in verdict.reason, verdict
+
+
 def test_a_users_own_architecture_patches_with_no_registration():
     torch.manual_seed(0)
     model = TinyMlpForCausalLM(TinyMlpConfig(vocab_size=97, hidden_size=24, num_hidden_layers=2))
@@ -150,9 +239,8 @@ def test_cli_verifies_a_users_model_and_named_types():
     named = subprocess.run(
         [*command, "llama", "--task", CAUSAL_LM], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert named.returncode == 0 and "{'verified': 1, 'refused': 0, 'failed': 0}" in named.stdout, (
-        named.stdout
-    )
+    counts = {status: int(status == VERIFIED) for status in STATUSES}
+    assert named.returncode == 0 and str(counts) in named.stdout, named.stdout
 
 
 def test_docs_models_md_is_generated_from_the_committed_sweeps():
