@@ -78,12 +78,15 @@ def sub_dicts(tree: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield from sub_dicts(value)
 
 
-def sub_dicts_with_class(tree: dict[str, Any], config: Any) -> Iterator[tuple[dict[str, Any], type | None]]:
-    """Like ``sub_dicts``, each dict paired with the class of the config object it came from."""
-    yield tree, type(config) if isinstance(config, PretrainedConfig) else None
+def sub_dicts_with_config(
+    tree: dict[str, Any], config: Any
+) -> Iterator[tuple[dict[str, Any], PretrainedConfig | None]]:
+    """Like ``sub_dicts``, each dict paired with the config object it came from (None for a
+    sub-config held as a plain dict)."""
+    yield tree, config if isinstance(config, PretrainedConfig) else None
     for key, value in tree.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
-            yield from sub_dicts_with_class(value, getattr(config, key, None))
+            yield from sub_dicts_with_config(value, getattr(config, key, None))
 
 
 def is_int(value: Any) -> bool:

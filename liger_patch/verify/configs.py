@@ -35,11 +35,11 @@ from liger_patch.verify.config_rules import (
     short,
     shrunk_value,
     sub_dicts,
-    sub_dicts_with_class,
+    sub_dicts_with_config,
     type_key,
 )
 from liger_patch.verify.overrides import CONFIG_FIXES, MROPE_SECTIONS, NEEDED_TOKEN_IDS, OVERRIDES
-from liger_patch.verify.sizes import LAYER_KEYS, LAYERS, TOKEN_ID_RE, VOCAB
+from liger_patch.verify.sizes import LAYER_KEYS, LAYERS, TOKEN_ID_RE, VOCAB, VQ_CODES
 
 
 def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -50,18 +50,20 @@ def tiny_config(config: PretrainedConfig) -> PretrainedConfig:
     """
     tree = copy.deepcopy(config.to_dict())
     tokens = TokenIds(text_vocab_after_shrink(tree), tree)
-    for sub, cls in sub_dicts_with_class(tree, config):
-        _shrink_dict(sub, cls)
+    for sub, sub_config in sub_dicts_with_config(tree, config):
+        _shrink_dict(sub, sub_config)
     _fit_tree(tree, tokens)
     return _rebuilt(config, tree)
 
 
 def _fit_tree(tree: dict[str, Any], tokens: TokenIds) -> None:
-    """After every dict is shrunk: token ids into the tiny vocabulary, image settings fitted to
-    the shrunk vision tower, then the per-type tables (they have the last word)."""
+    """After every dict is shrunk: token ids and code ranges into the tiny vocabulary, image
+    settings fitted to the shrunk vision tower, then the per-type tables (they have the last
+    word)."""
     for sub in sub_dicts(tree):
         remap_token_ids(sub, tokens)
     add_missing_token_ids(tree, tokens)
+    place_code_ranges(tree)
     fit_image_layout(tree)
     for sub in sub_dicts(tree):
         _apply_overrides(sub)
@@ -79,13 +81,13 @@ def _rebuilt(config: PretrainedConfig, tree: dict[str, Any]) -> PretrainedConfig
             raise TinyModelError(f"{model_type_of(config)}: tiny config rejected: {short(err)}") from err
 
 
-def _shrink_dict(d: dict[str, Any], cls: type | None) -> None:
-    """Apply the generic size rules to one (sub)config dict of config class ``cls``, in place."""
+def _shrink_dict(d: dict[str, Any], config: PretrainedConfig | None) -> None:
+    """Apply the generic size rules to one (sub)config dict of the object ``config``, in place."""
     old = dict(d)
     old_head_dim = head_dim_of(d)
-    defaults = declared_defaults(cls) if cls is not None else {}
+    defaults = declared_defaults(type(config)) if config is not None else {}
     drop_base_defaults(d, defaults)
-    select_layers(d)
+    select_layers(d, _entries_per_layer(d, config))
     _shrink_values(d, defaults)
     fill_missing(d)
     _fit_relations(d, old, old_head_dim)
@@ -140,12 +142,15 @@ def _set_rope_sections(d: dict[str, Any], sections: list[int]) -> None:
     d[key] = rope
 
 
-def select_layers(d: dict[str, Any]) -> None:
+def select_layers(d: dict[str, Any], span: int = 1) -> None:
     """Keep a few layers, one of each distinct kind, and cut the per-layer lists to match.
 
     A layer's kind is its entry in every per-layer list (``layer_types``, ``no_rope_layers``,
     ...) plus its membership in every layer-index list (``cross_attention_layers``, ...), so a
-    hybrid model keeps one attention and one mamba layer and index lists stay non-trivial.
+    hybrid model keeps one attention and one mamba layer and index lists stay non-trivial. A
+    layer is ``span`` consecutive entries of those lists (:func:`_entries_per_layer`). Counts
+    that split the layers into sections keep adding up to the kept number, each section keeping
+    a layer (:func:`_section_counts`).
     """
     key = next((k for k in LAYER_KEYS if is_int(d.get(k))), None)
     if key is None:
@@ -154,13 +159,49 @@ def select_layers(d: dict[str, Any]) -> None:
     per_layer = {k: v for k, v in d.items() if _is_per_layer(k, v, total)}
     index_lists = {k: v for k, v in d.items() if k not in per_layer and _is_index_list(k, v, total)}
     overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
-    keep = _layers_to_keep(total, per_layer, index_lists, overrides)
+    sections = _section_counts(d, total)
+    wanted = max(LAYERS, len(sections))
+    keep = _layers_to_keep(total, (per_layer, index_lists, overrides), span, wanted)
     _cut_layer_lists(d, keep, per_layer, index_lists)
     if overrides:
         d["per_layer_config"] = {
             str(new): _shrunk_layer(overrides[old], d) for new, old in enumerate(keep) if old in overrides
         }
     _cut_layer_counts(d, keep, total)
+    if len(keep) < total:
+        _split_sections(d, sections, len(keep) // span, span)
+
+
+def _entries_per_layer(d: dict[str, Any], config: PretrainedConfig | None) -> int:
+    """How many consecutive entries of the dict's per-layer lists make one layer of ``config``.
+
+    1, except where the dict form counts blocks rather than layers: Dory writes each layer as an
+    attention entry and an MLP entry and doubles its layer counts to match, which its config
+    halves back. Told apart by the main layer count: the dict's over the config object's.
+    """
+    key = next((k for k in LAYER_KEYS if is_int(d.get(k))), None)
+    layers = getattr(config, key, None) if key is not None and config is not None else None
+    if not is_int(layers) or layers <= 0 or d[key] <= layers or d[key] % layers:
+        return 1
+    return d[key] // layers
+
+
+def _section_counts(d: dict[str, Any], total: int) -> dict[str, int]:
+    """Counts that split the layers into consecutive sections (Dory: input, recurrent and output
+    layers): two or more ``*layers`` counts besides the layer counts, adding up to ``total``;
+    empty when the dict has none."""
+    counts = {k: v for k, v in d.items() if "layers" in k and k not in LAYER_KEYS and is_int(v) and v > 0}
+    return counts if len(counts) > 1 and sum(counts.values()) == total else {}
+
+
+def _split_sections(d: dict[str, Any], sections: dict[str, int], layers: int, span: int) -> None:
+    """The section counts over the ``layers`` kept layers: one layer each, the rest to the
+    largest section."""
+    if not sections:
+        return
+    largest = max(sections, key=sections.__getitem__)
+    for key in sections:
+        d[key] = span * (1 + (layers - len(sections) if key == largest else 0))
 
 
 def _cut_layer_lists(
@@ -181,21 +222,33 @@ def _cut_layer_counts(d: dict[str, Any], keep: list[int], total: int) -> None:
             d[k] = len(keep) if d[k] == total else min(d[k], LAYERS)
 
 
-def _layers_to_keep(
-    total: int, per_layer: dict[str, Any], index_lists: dict[str, list[int]], overrides: dict[int, Any]
-) -> list[int]:
-    """Indices of the first layer of each kind, topped up to ``LAYERS`` layers."""
-    if total <= LAYERS:
+def _layers_to_keep(total: int, lists: tuple[dict, dict, dict], span: int, wanted: int) -> list[int]:
+    """Entry indices of the first layer of each kind, topped up to ``wanted`` layers, a layer
+    being ``span`` entries; ``lists`` are the per-layer lists, the index lists and the per-layer
+    config overrides."""
+    layers = total // span
+    if layers <= wanted:
         return list(range(total))
     kinds: dict[tuple, int] = {}
-    for i in range(total):
-        kind = tuple(tuple(v[i]) if isinstance(v[i], list) else v[i] for v in per_layer.values())
+    for layer in range(layers):
+        kinds.setdefault(_layer_kind(range(layer * span, (layer + 1) * span), *lists), layer)
+    keep = sorted(kinds.values())
+    extra = [layer for layer in range(layers) if layer not in keep]
+    keep = sorted(keep + extra[: max(0, wanted - len(keep))])
+    return [layer * span + j for layer in keep for j in range(span)]
+
+
+def _layer_kind(
+    entries: range, per_layer: dict[str, Any], index_lists: dict[str, list[int]], overrides: dict[int, Any]
+) -> tuple:
+    """What tells a layer (its ``entries``) apart: its values in every per-layer list, whether
+    each index list names it, and its per-layer config override."""
+    kind: tuple = ()
+    for i in entries:
+        kind += tuple(tuple(v[i]) if isinstance(v[i], list) else v[i] for v in per_layer.values())
         kind += tuple(i in v for v in index_lists.values())
         kind += (repr(overrides.get(i)),)
-        kinds.setdefault(kind, i)
-    keep = sorted(kinds.values())
-    extra = [i for i in range(total) if i not in keep]
-    return sorted(keep + extra[: max(0, LAYERS - len(keep))])
+    return kind
 
 
 def _shrunk_layer(layer: dict[str, Any], parent: dict[str, Any]) -> dict[str, Any]:
@@ -297,3 +350,23 @@ def add_missing_token_ids(tree: dict[str, Any], tokens: TokenIds) -> None:
         for name in names:
             if sub.get(name) is None:
                 sub[name] = tokens.fresh()
+
+
+def place_code_ranges(tree: dict[str, Any]) -> None:
+    """Lay the vocabulary's code ranges end to end below the middle of the tiny vocabulary.
+
+    A ``*_token_offset`` is where a codebook's codes (an image or audio tokenizer's) start in the
+    vocabulary. Every codebook is shrunk to ``VQ_CODES`` codes, so each range gets that many
+    ids, in the ranges' original order: the codes map inside the tiny vocabulary, and ranges
+    that met still meet (Apertus 1.5 checks both).
+    """
+    offsets = [
+        (sub[key], key, sub)
+        for sub in sub_dicts(tree)
+        for key in sub
+        if key.endswith("_token_offset") and is_int(sub[key])
+    ]
+    offsets.sort(key=lambda offset: offset[0])
+    first = VOCAB // 2 - len(offsets) * VQ_CODES
+    for index, (_, key, sub) in enumerate(offsets):
+        sub[key] = first + index * VQ_CODES

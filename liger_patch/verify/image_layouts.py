@@ -1,9 +1,10 @@
 """Image inputs of one image per row, in the layout each model's forward takes, and the vision
 tower's input geometry (image side, patch size, channels, merge size) they are made from.
 
-A layout is picked per type (``IMAGE_LAYOUTS``) or from the forward's arguments
-(``generic_layout``). ``IMAGE_TOKENS`` holds the placeholder counts that a type's config fixes
-instead of its vision features.
+A layout is picked per type (``IMAGE_LAYOUTS``: the model's type, else its vision tower's, for
+a tower several types share) or from the forward's arguments (``generic_layout``).
+``IMAGE_TOKENS`` holds the placeholder counts that a type's config fixes instead of its vision
+features.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def merge_size(vision: PretrainedConfig) -> int:
         if is_int(value):
             return value
     return 1
+
+
+def layout_for(config: PretrainedConfig, vision: PretrainedConfig | None) -> ImageLayout | None:
+    """The layout ``IMAGE_LAYOUTS`` names for the model's type, else for its vision tower's."""
+    layout = IMAGE_LAYOUTS.get(type_key(config))
+    if layout is None and vision is not None:
+        layout = IMAGE_LAYOUTS.get(type_key(vision))
+    return layout
 
 
 def generic_layout(model: nn.Module, params: set[str]) -> ImageLayout:
@@ -250,7 +259,7 @@ def _video_frames(model: nn.Module, vision: PretrainedConfig, gen: torch.Generat
     return {"pixel_values": random_pixels(gen, (batch, 1), vision)}
 
 
-# Layouts by model type.
+# Layouts by the type of the model or of its vision tower.
 IMAGE_LAYOUTS: dict[str, ImageLayout] = {
     "chameleon": _vq_pixels,
     "deepseek_vl_hybrid": _two_resolution_pixels,
@@ -259,7 +268,7 @@ IMAGE_LAYOUTS: dict[str, ImageLayout] = {
     "gemma4": _positioned_patches,
     "gemma4_unified": _positioned_patches,
     "granite_docling": _docling_tiles,
-    "inkling2": _token_tiles,
+    "inkling2_vision": _token_tiles,
     "instructblipvideo": _video_frames,
     "kosmos_2.5": _flattened_patches,
     "lfm2_vl": _siglip2_patches,

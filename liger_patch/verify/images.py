@@ -17,10 +17,10 @@ from transformers import PretrainedConfig
 
 from liger_patch.verify.config_rules import TinyModelError, model_type_of, type_key
 from liger_patch.verify.image_layouts import (
-    IMAGE_LAYOUTS,
     IMAGE_TOKENS,
     generic_layout,
     image_side,
+    layout_for,
     patch_size,
 )
 from liger_patch.verify.models import config_value, forward_params, random_ids
@@ -47,7 +47,7 @@ def image_inputs(model: nn.Module, gen: torch.Generator, batch_size: int) -> Ima
     config = model.config
     params = forward_params(model)
     vision = _vision_config(config)
-    layout = IMAGE_LAYOUTS.get(type_key(config))
+    layout = layout_for(config, vision)
     if layout is None:
         if vision is None or "pixel_values" not in params:
             return None

@@ -25,7 +25,8 @@ LORA_RANK = 32
 SMALL_RANK = 8
 MAX_POSITIONS = 4096
 PATCHES_PER_SIDE = 4
-# Images of VQ tokenizers (Chameleon, Emu3): 16 px, 4 x 4 codes after 4x downsampling, 32 codes.
+# Images of VQ tokenizers (Chameleon, Emu3): 16 px, 4 x 4 codes after 4x downsampling. Every
+# codebook (image tokenizers, audio codecs) has 32 codes.
 VQ_SIDE = 16
 VQ_CODES = 32
 # Leading positions of a batch's last row that are padding (attention_mask 0, label -100).
@@ -95,6 +96,7 @@ WIDTH_KEYS = frozenset(
         "output_proj_dims",
         "hidden_size_per_layer_input",
         "router_hidden_size",
+        "codebook_dim",
     )
 )
 
@@ -237,5 +239,6 @@ INT_CEILINGS: dict[str, int] = {
     "first_k_dense_replace": 1,
     "zero_expert_num": 2,
     "mm_posemb_size": 64,
+    "codebook_size": VQ_CODES,
     "position_embedding_size": 64,
 }

@@ -1,6 +1,9 @@
 """The verification sweep: :func:`verify_type` for one model type (a tiny random model of it,
 built here, then :func:`~liger_patch.verify.compare.verify_model`), :func:`sweep` for every
 causal-LM and image-text-to-text type of the installed transformers.
+
+The tiny-model factory is imported on use: it imports transformers, which ``python -m
+liger_patch`` need not pay for its other commands (this module is imported to build the parser).
 """
 
 from __future__ import annotations

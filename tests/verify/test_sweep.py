@@ -106,6 +106,11 @@ NAMED_SINCE: dict[str, dict[tuple[str, str], tuple[str, str]]] = {
     "5.0": {
         (CAUSAL_LM, "gemma4_assistant"): (UNBUILDABLE, "takes no labels"),
     },
+    "5.24": {
+        (CAUSAL_LM, "dory"): (REFUSED, "DoryLMHead"),
+        (IMAGE_TEXT_TO_TEXT, "apertus1p5"): (VERIFIED, ""),
+        (IMAGE_TEXT_TO_TEXT, "inkling2_loop"): (VERIFIED, ""),
+    },
 }
 
 

@@ -14,8 +14,9 @@ import torch
 from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 from liger_patch.verify.batches import example_batch
 from liger_patch.verify.config_rules import TinyModelError
-from liger_patch.verify.configs import tiny_config
+from liger_patch.verify.configs import place_code_ranges, select_layers, tiny_config
 from liger_patch.verify.models import model_class, model_types, tiny_model, tiny_model_from_config
+from liger_patch.verify.sizes import VOCAB, VQ_CODES
 
 CASES = [
     ("llama", CAUSAL_LM),
@@ -51,7 +52,7 @@ def test_model_types_are_sorted_and_known():
     assert model_class("llama", CAUSAL_LM).__name__ == "LlamaForCausalLM"
 
 
-def test_unknown_type_and_task_are_refused():
+def test_an_unknown_type_or_task_raises():
     with pytest.raises(TinyModelError, match="no-such-type"):
         model_class("no-such-type", CAUSAL_LM)
     with pytest.raises(ValueError, match="unknown task"):
@@ -119,6 +120,48 @@ def test_tiny_model_from_config_picks_the_class():
     assert torch.isfinite(_loss(model))
 
 
-def test_refusal_names_the_type():
+def test_an_unbuildable_type_names_itself():
     with pytest.raises(TinyModelError, match="gemma3n"):
         tiny_model("gemma3n", IMAGE_TEXT_TO_TEXT)
+
+
+def test_layer_sections_keep_adding_up_and_keep_a_layer_each():
+    """Counts that split the layers into sections (Dory: input, recurrent, output) are re-split
+    over the kept layers; with ``span`` entries per layer, whole layers are kept."""
+    kinds = ["sliding", "sliding", "sliding", "full"] * 3
+    sections = {"n_in_layers": 3, "n_mid_layers": 6, "n_out_layers": 3}
+    d = {"num_hidden_layers": 12, "layer_types": list(kinds), **sections}
+    select_layers(d)
+    assert d["num_hidden_layers"] == 3 and d["layer_types"] == ["sliding", "sliding", "full"]
+    assert (d["n_in_layers"], d["n_mid_layers"], d["n_out_layers"]) == (1, 1, 1)
+    paired = [entry for kind in kinds for entry in (kind, "mlp")]
+    doubled = {key: 2 * count for key, count in sections.items()}
+    d = {"num_hidden_layers": 24, "layer_types": paired, **doubled}
+    select_layers(d, span=2)
+    assert d["layer_types"] == ["sliding", "mlp", "sliding", "mlp", "full", "mlp"]
+    assert d["num_hidden_layers"] == 6
+    assert (d["n_in_layers"], d["n_mid_layers"], d["n_out_layers"]) == (2, 2, 2)
+
+
+def test_a_config_writing_two_entries_per_layer_keeps_whole_layers():
+    """Dory's dict form writes each layer as (attention, mlp) and doubles its counts."""
+    from transformers import CONFIG_MAPPING
+
+    if "dory" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Dory")
+    config = tiny_config(CONFIG_MAPPING["dory"]())
+    sections = (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers)
+    assert sections == (1, 1, 1) and config.num_hidden_layers == len(config.layer_types) == 3
+
+
+def test_counts_that_do_not_split_the_layers_are_left_alone():
+    d = {"num_hidden_layers": 12, "layer_types": ["a", "b"] * 6, "num_dense_layers": 1, "n_extra_layers": 3}
+    select_layers(d)
+    assert d["num_hidden_layers"] == 2 and (d["num_dense_layers"], d["n_extra_layers"]) == (1, 3)
+
+
+def test_code_ranges_are_laid_end_to_end_inside_the_tiny_vocabulary():
+    tree = {"image_token_offset": 131272, "audio_token_offset": 262344, "text_config": {"vocab_size": VOCAB}}
+    place_code_ranges(tree)
+    image, audio = tree["image_token_offset"], tree["audio_token_offset"]
+    assert image + VQ_CODES == audio and audio + VQ_CODES <= VOCAB
