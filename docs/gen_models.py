@@ -2,7 +2,7 @@
 
 python -m liger_patch verify --json docs/results/models-transformers-<version>-cpu-float32.json
 python docs/gen_models.py          # rewrite docs/models.md
-python docs/gen_models.py --check  # exit 1 if it is stale (tests/patching/test_verify.py checks)
+python docs/gen_models.py --check  # exit 1 if it is stale (tests/verify/test_sweep.py checks)
 """
 
 from __future__ import annotations
