@@ -1,7 +1,7 @@
 """Command line: ``python -m liger_patch {doctor,demo,verify}`` (also installed as ``liger-patch``).
 
 Each subcommand owns its options (``demo`` defines them in ``liger_patch.demo``, ``verify`` in
-``liger_patch.patching.verify_cli``), so
+``liger_patch.verify.cli``), so
 ``python -m liger_patch demo --help`` lists them and an unknown option is an argparse error.
 """
 
@@ -28,7 +28,7 @@ def _prog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command; ``demo``'s options come from demo.py."""
     from liger_patch.demo import add_arguments as add_demo_arguments
-    from liger_patch.patching.verify_cli import add_arguments as add_verify_arguments
+    from liger_patch.verify.cli import add_arguments as add_verify_arguments
 
     parser = argparse.ArgumentParser(
         prog=_prog(), description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a tiny random model of each causal-LM and image-text-to-text type of the "
         "installed transformers (or of your own architecture with --model), run one training step "
         "unpatched and patched from the same weights, compare the loss and every gradient, and "
-        "classify each type as verified, refused (with the reason) or failed. Exit status 1 when "
-        "any failed.",
+        "classify each type as verified, refused (the patch declines it, with the reason) or failed, "
+        "or say why there was nothing to compare: unbuildable (no tiny model can be built here), "
+        "builder-error (building it raised) or unpatched-fails (the unpatched model fails on its "
+        "own batch). Exit status 1 when any failed.",
     )
     add_verify_arguments(verify)
     return parser
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_doctor()
     if args.command == "verify":
-        from liger_patch.patching.verify_cli import run_verify
+        from liger_patch.verify.cli import run_verify
 
         return run_verify(args)
     from liger_patch.demo import run_demo

@@ -47,7 +47,7 @@ TINY_CONFIG = dict(
     eos_token_id=2,
 )
 
-# The families the patching tests train in depth (the sweep in tests/patching/test_verify.py
+# The families the patching tests train in depth (the sweep in tests/verify/test_sweep.py
 # covers every type once).
 # fmt: off
 ALL_BUILTIN_MODEL_TYPES = (

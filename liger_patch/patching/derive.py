@@ -6,8 +6,8 @@ and ``get_output_embeddings()`` says it. What derivation checks is whether the m
 served exactly at all:
 
 * it is an ``nn.Module`` whose ``forward`` takes ``labels`` (no labels, no loss to fuse);
-* its model_type is not one the verification sweep found to differ (:data:`REFUSED`, each with
-  the reason; ``python -m liger_patch verify`` re-checks them);
+* its model_type is not one the verification sweep found to differ (:data:`KNOWN_MISMATCHES`,
+  each with how; ``python -m liger_patch verify`` re-checks them);
 * on an instance: ``get_output_embeddings()`` names a submodule (``head.fusable_head`` then
   checks that it is a plain ``nn.Linear`` on every call).
 
@@ -34,7 +34,7 @@ from liger_patch.patching.registry import (
 __all__ = [
     "CAUSAL_LM",
     "IMAGE_TEXT_TO_TEXT",
-    "REFUSED",
+    "KNOWN_MISMATCHES",
     "TASKS",
     "classes_for_model_type",
     "derived_spec",
@@ -53,9 +53,10 @@ _MAPPINGS = {
     IMAGE_TEXT_TO_TEXT: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
 
-REFUSED: dict[str, str] = {}
-"""model_type -> why it is refused: types whose patched training step the verification sweep
-found to differ from the unpatched one, or that it cannot run. Empty means none is known."""
+KNOWN_MISMATCHES: dict[str, str] = {}
+"""model_type -> how its fused training step differs: types the verification sweep found to
+differ from the unpatched step (a **failed** verdict). Derivation refuses them, with this
+reason, until they are fixed; empty means none is known."""
 
 
 def mapped_model_types(task: str) -> dict[str, str]:
@@ -90,8 +91,8 @@ def _class_refusal(cls: type) -> str | None:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         return f"{getattr(cls, '__name__', cls)!r} is not an nn.Module class"
     model_type = _model_type_of(cls)
-    if model_type in REFUSED:
-        return f"model_type {model_type!r} is refused: {REFUSED[model_type]}"
+    if model_type in KNOWN_MISMATCHES:
+        return f"model_type {model_type!r} is refused: {KNOWN_MISMATCHES[model_type]}"
     try:
         parameters = inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):

@@ -43,7 +43,7 @@ def test_a_model_type_names_its_causal_lm_and_its_vlm_class():
 
 
 def test_a_refused_type_is_refused_with_its_reason(monkeypatch):
-    monkeypatch.setitem(derive.REFUSED, "llama", "the sweep found its gradients differ")
+    monkeypatch.setitem(derive.KNOWN_MISMATCHES, "llama", "the sweep found its gradients differ")
     model = tiny_model("llama")
     with pytest.raises(
         lp.UnsupportedModelError, match="'llama' is refused: the sweep found its gradients differ"
@@ -117,12 +117,14 @@ def test_a_head_whose_weight_does_not_fit_the_hidden_states_is_refused_clearly()
 
 @pytest.mark.parametrize("model_type", ["llava", "qwen2_vl", "gemma3"])
 def test_a_vlm_fuses_in_training_and_keeps_the_original_path_for_eval_and_generate(model_type):
-    from liger_patch.patching import tiny
+    from liger_patch.verify.batches import example_batch
+    from liger_patch.verify.models import model_types
+    from liger_patch.verify.models import tiny_model as tiny_vlm
 
-    if model_type not in tiny.model_types(derive.IMAGE_TEXT_TO_TEXT):
+    if model_type not in model_types(derive.IMAGE_TEXT_TO_TEXT):
         pytest.skip(f"this transformers has no {model_type}")
-    reference = tiny.tiny_model(model_type, derive.IMAGE_TEXT_TO_TEXT)
-    batch = tiny.example_batch(reference)
+    reference = tiny_vlm(model_type, derive.IMAGE_TEXT_TO_TEXT)
+    batch = example_batch(reference)
     patched = copy.deepcopy(reference)
     lp.apply_liger_to(patched)
     out = patched(**batch)

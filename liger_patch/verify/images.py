@@ -15,12 +15,16 @@ import torch
 import torch.nn as nn
 from transformers import PretrainedConfig
 
-from liger_patch.patching.tiny.batch_tokens import config_value, forward_params, random_ids
-from liger_patch.patching.tiny.config_tree import model_type_of, type_key
-from liger_patch.patching.tiny.errors import TinyModelError
-from liger_patch.patching.tiny.image_builders import IMAGE_BUILDERS, IMAGE_TOKENS, generic_image_builder
-from liger_patch.patching.tiny.pixels import image_side, patch_size
-from liger_patch.patching.tiny.sizes import VOCAB
+from liger_patch.verify.config_rules import TinyModelError, model_type_of, type_key
+from liger_patch.verify.image_layouts import (
+    IMAGE_TOKENS,
+    generic_layout,
+    image_side,
+    layout_for,
+    patch_size,
+)
+from liger_patch.verify.models import config_value, forward_params, random_ids
+from liger_patch.verify.sizes import VOCAB
 
 
 @dataclasses.dataclass
@@ -43,12 +47,12 @@ def image_inputs(model: nn.Module, gen: torch.Generator, batch_size: int) -> Ima
     config = model.config
     params = forward_params(model)
     vision = _vision_config(config)
-    builder = IMAGE_BUILDERS.get(type_key(config))
-    if builder is None:
+    layout = layout_for(config, vision)
+    if layout is None:
         if vision is None or "pixel_values" not in params:
             return None
-        builder = generic_image_builder(model, params)
-    inputs = builder(model, vision or config, gen, batch_size)
+        layout = generic_layout(model, params)
+    inputs = layout(model, vision or config, gen, batch_size)
     _add_required_image_args(model, inputs, vision or config, batch_size)
     if "qformer_input_ids" in params:
         _add_qformer_prompt(config, inputs, gen, batch_size)

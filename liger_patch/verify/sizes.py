@@ -1,26 +1,37 @@
-"""Config attribute names grouped by what they hold, and the ceiling of each size name.
+"""The sizes of every tiny model, and which config attribute names hold which size.
 
-The generic shrinking recognises a size by its attribute name, in whichever (sub)config it
-appears: these tables say which names are layer counts, widths, heads, head dims, low ranks,
-expert counts, token ids and dropout rates.
+One set of sizes for every family, so that widths agree across sub-configs without bookkeeping:
+a projector reading ``vision_config.hidden_size`` and writing ``text_config.hidden_size`` sees 64
+on both sides. The generic shrinking recognises a size by its attribute name, in whichever
+(sub)config it appears: the tables below say which names are layer counts, widths, heads, head
+dims, low ranks, expert counts, token ids and dropout rates, and the ceiling of each.
 """
 
 from __future__ import annotations
 
 import re
 
-from liger_patch.patching.tiny.sizes import (
-    EXPERTS,
-    HEAD_DIM,
-    HEADS,
-    HIDDEN,
-    LORA_RANK,
-    MAX_POSITIONS,
-    ROPE_HEAD_DIM,
-    SMALL_RANK,
-    TOP_K,
-    VOCAB,
-)
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+ROPE_HEAD_DIM = 8
+FFN = 128
+LAYERS = 2
+VOCAB = 256
+EXPERTS = 4
+TOP_K = 2
+LORA_RANK = 32
+SMALL_RANK = 8
+MAX_POSITIONS = 4096
+PATCHES_PER_SIDE = 4
+# Images of VQ tokenizers (Chameleon, Emu3): 16 px, 4 x 4 codes after 4x downsampling. Every
+# codebook (image tokenizers, audio codecs) has 32 codes.
+VQ_SIDE = 16
+VQ_CODES = 32
+# Leading positions of a batch's last row that are padding (attention_mask 0, label -100).
+LEFT_PAD = 2
+
 
 # Layer counts, the main one first (the others are checked in this order too).
 LAYER_KEYS = (
@@ -85,6 +96,7 @@ WIDTH_KEYS = frozenset(
         "output_proj_dims",
         "hidden_size_per_layer_input",
         "router_hidden_size",
+        "codebook_dim",
     )
 )
 
@@ -197,7 +209,7 @@ TOKEN_ID_RE = re.compile(r"(_token_id|_token_index|_token_ids|_id|_ids|_index|_i
 DROPOUT_RE = re.compile(r"(dropout|_pdrop|drop_prob|layerdrop|drop_path|jitter)")
 
 
-# Ceilings of the size attributes known by name (other names: see ``shrink_rules._int_rule``).
+# Ceilings of the size attributes known by name (other names: see ``config_rules._int_rule``).
 INT_CEILINGS: dict[str, int] = {
     **dict.fromkeys(WIDTH_KEYS, HIDDEN),
     **dict.fromkeys(HEAD_KEYS, HEADS),
@@ -227,5 +239,6 @@ INT_CEILINGS: dict[str, int] = {
     "first_k_dense_replace": 1,
     "zero_expert_num": 2,
     "mm_posemb_size": 64,
+    "codebook_size": VQ_CODES,
     "position_embedding_size": 64,
 }

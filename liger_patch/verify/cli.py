@@ -3,8 +3,9 @@
 With no arguments every causal-LM and image-text-to-text type of the installed transformers is
 checked; name model types to check only those; ``--model`` checks your own architecture (a
 model directory or hub id with a ``config.json``, or ``package.module:ClassName``). Prints one
-line per type and a summary; ``--json`` writes the verdicts (``docs/gen_models.py`` renders
-``docs/models.md`` from such files). Exit status 1 when any type failed.
+line per type and a summary (a count per status: ``verdicts.STATUS_MEANINGS`` says what each
+means); ``--json`` writes the verdicts (``docs/gen_models.py`` renders ``docs/models.md`` from
+such files). Exit status 1 when any type failed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 
 from liger_patch.patching.derive import CAUSAL_LM, TASKS
-from liger_patch.patching.verify import FAILED, Verdict, batch_to, sweep, verify_model
+from liger_patch.verify.compare import batch_to, verify_model
+from liger_patch.verify.sweep import sweep
+from liger_patch.verify.verdicts import FAILED, STATUSES, Verdict
 
 __all__ = ["add_arguments", "run_verify"]
 
@@ -43,12 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _user_model(spec: str, trust_remote_code: bool) -> torch.nn.Module:
     """A tiny random model of the user's architecture: ``module:Class`` or a config location."""
-    from liger_patch.patching import tiny
+    from liger_patch.verify.models import tiny_model_from_config
 
     module_name, _, class_name = spec.partition(":")
     if class_name and not os.path.exists(spec):
         cls = getattr(importlib.import_module(module_name), class_name)
-        return tiny.tiny_model_from_config(cls.config_class(), cls)
+        return tiny_model_from_config(cls.config_class(), cls)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
@@ -57,15 +60,15 @@ def _user_model(spec: str, trust_remote_code: bool) -> torch.nn.Module:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], spec)
-        return tiny.tiny_model_from_config(config, cls)
-    return tiny.tiny_model_from_config(config)
+        return tiny_model_from_config(config, cls)
+    return tiny_model_from_config(config)
 
 
 def _verify_user_model(args: argparse.Namespace, dtype: torch.dtype) -> list[Verdict]:
-    from liger_patch.patching import tiny
+    from liger_patch.verify.batches import example_batch
 
     model = _user_model(args.model, args.trust_remote_code)  # the batch is built for it in fp32 on CPU
-    batch = batch_to(tiny.example_batch(model), torch.device(args.device), dtype)
+    batch = batch_to(example_batch(model), torch.device(args.device), dtype)
     model.to(device=args.device, dtype=dtype)
     verdict = verify_model(model, batch)
     verdict.model_type = getattr(model.config, "model_type", "") or type(model).__name__
@@ -78,7 +81,7 @@ def _line(verdict: Verdict) -> str:
     if verdict.loss_error is not None:
         errors = f" loss {verdict.loss_error:.1e} grad {verdict.grad_error:.1e}"
     reason = f"  {verdict.reason}" if verdict.reason else ""
-    return f"{verdict.status:9s} {verdict.task:19s} {verdict.model_type:28s}{errors}{reason}"
+    return f"{verdict.status:15s} {verdict.task:19s} {verdict.model_type:28s}{errors}{reason}"
 
 
 def _versions(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,13 +115,11 @@ def run_verify(args: argparse.Namespace) -> int:
             verdicts = sweep(
                 args.model_types or None, tasks, dtype=dtype, device=args.device, progress=report
             )
-    counts = {
-        status: sum(v.status == status for v in verdicts) for status in ("verified", "refused", "failed")
-    }
+    counts = {status: sum(v.status == status for v in verdicts) for status in STATUSES}
     versions = _versions(args)
     print(f"{counts} on transformers {versions['transformers']} ({args.device}, {args.dtype})")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"versions": versions, "verdicts": [v.as_dict() for v in verdicts]}, handle, indent=1)
             handle.write("\n")
-    return 1 if counts["failed"] else 0
+    return 1 if counts[FAILED] else 0

@@ -1,31 +1,67 @@
-"""Building a tiny random model: of a model type's default config, or of a user's config."""
+"""Tiny random models: the types and classes the installed transformers maps to each task, a
+model built of a type's default config or of a user's config, and what its inputs must respect
+(the forward's arguments, the vocabulary, the special ids).
+
+The tasks and their auto mappings are ``patching/derive.py``'s.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import inspect
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
+import transformers
 from transformers import PretrainedConfig
 
-from liger_patch.patching.tiny.config_tree import model_type_of
-from liger_patch.patching.tiny.configs import tiny_config
-from liger_patch.patching.tiny.errors import TinyModelError, short
-from liger_patch.patching.tiny.overrides import DEFAULT_KWARGS, REFUSED
-from liger_patch.patching.tiny.tasks import CAUSAL_LM, IMAGE_TEXT_TO_TEXT, config_class_of, model_class
+from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT, mapped_model_types
+from liger_patch.verify.config_rules import TinyModelError, model_type_of, short
+from liger_patch.verify.configs import tiny_config, token_id_values
+from liger_patch.verify.overrides import DEFAULT_KWARGS, UNBUILDABLE
+from liger_patch.verify.sizes import VOCAB
+
+
+def model_types(task: str) -> list[str]:
+    """Sorted model types the installed transformers maps to a class for ``task``."""
+    return sorted(mapped_model_types(task))
+
+
+def model_class(model_type: str, task: str = CAUSAL_LM) -> type:
+    """The class the auto mapping names for ``model_type`` under ``task``."""
+    name = mapped_model_types(task).get(model_type)
+    if name is None:
+        raise TinyModelError(f"{model_type}: no {task} class in transformers {transformers.__version__}")
+    if isinstance(name, (tuple, list)):
+        name = name[0]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise TinyModelError(f"{model_type}: transformers does not export {name}")
+    return cls
+
+
+def config_class_of(model_type: str) -> type:
+    """The config class registered for ``model_type``."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]
+    except KeyError as err:
+        raise TinyModelError(f"{model_type}: no config class") from err
 
 
 def tiny_model(model_type: str, task: str = CAUSAL_LM, *, seed: int = 0) -> nn.Module:
     """A tiny random model of ``model_type`` for ``task``: the class the auto mapping names,
     built from the shrunk default config after ``torch.manual_seed(seed)``, float32, eager
     attention where accepted, dropout and router noise off, in train mode."""
-    if model_type in REFUSED:
-        raise TinyModelError(f"{model_type}: {REFUSED[model_type]}")
+    if model_type in UNBUILDABLE:
+        raise TinyModelError(f"{model_type}: {UNBUILDABLE[model_type]}")
     cls = model_class(model_type, task)
     if "labels" not in inspect.signature(cls.forward).parameters:
         raise TinyModelError(
@@ -82,8 +118,9 @@ def tiny_model_from_config(config: PretrainedConfig, cls: type | None = None, *,
 
 
 def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type: str) -> nn.Module:
-    """The model with eager attention, else with its default attention; a model that does not
-    build either way raises :class:`TinyModelError` saying why (a missing package, the error)."""
+    """The model with eager attention, else with its default attention. A missing package raises
+    :class:`TinyModelError` naming it; any other error of the eager attempt is raised as it is
+    (the factory did not foresee it: the sweep reports it as a builder error)."""
     try:
         return _build(cls, config, seed, eager=True)
     except ImportError as err:
@@ -92,7 +129,7 @@ def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type
         try:  # a model that rejects eager attention keeps its default
             return _build(cls, config, seed, eager=False)
         except Exception:
-            raise TinyModelError(f"{model_type}: {cls.__name__} does not build: {short(err)}") from err
+            raise err from None
 
 
 def _build(cls: type, config: PretrainedConfig, seed: int, *, eager: bool) -> nn.Module:
@@ -135,3 +172,51 @@ def _config_tree(config: PretrainedConfig) -> Iterator[PretrainedConfig]:
         sub = getattr(config, key, None)
         if isinstance(sub, PretrainedConfig):
             yield from _config_tree(sub)
+
+
+def forward_params(model: nn.Module) -> set[str]:
+    """Names the model's forward accepts."""
+    return set(inspect.signature(model.forward).parameters)
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's text config (the config itself for plain LMs)."""
+    try:
+        return config.get_text_config(decoder=True)
+    except TypeError:
+        return config.get_text_config()
+
+
+def special_ids(config: PretrainedConfig) -> set[int]:
+    """Every special token id named anywhere in the config tree, and the image-code ids of a VQ
+    vocabulary map (Chameleon masks their logits, so a label there has infinite loss)."""
+    vq_codes = (getattr(config, "vocabulary_map", None) or {}).values()
+    return set(token_id_values(config.to_dict())) | set(vq_codes)
+
+
+def config_value(config: PretrainedConfig, *names: str) -> Any:
+    """The first of ``names`` set on the config or, failing that, its text config or encoder."""
+    for cfg in (config, text_config(config), getattr(config, "encoder", None)):
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+    return None
+
+
+def vocab_limit(model: nn.Module) -> int:
+    """Ids below this are valid inputs: the text vocab, capped by the input embedding rows."""
+    vocab = getattr(text_config(model.config), "vocab_size", None) or VOCAB
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        rows = None
+    return min(vocab, rows) if rows else vocab
+
+
+def random_ids(gen: torch.Generator, shape: tuple[int, ...], vocab: int, avoid: set[int]) -> torch.Tensor:
+    """Random ids in ``[0, vocab)`` that avoid the special ids."""
+    allowed = torch.tensor([i for i in range(vocab) if i not in avoid])
+    if allowed.numel() == 0:
+        raise TinyModelError(f"no ordinary token ids below {vocab}")
+    return allowed[torch.randint(allowed.numel(), (math.prod(shape),), generator=gen)].view(shape)

@@ -1,8 +1,10 @@
-"""Image inputs of one image per row, in the layout each model's forward takes.
+"""Image inputs of one image per row, in the layout each model's forward takes, and the vision
+tower's input geometry (image side, patch size, channels, merge size) they are made from.
 
-A builder is picked per type (``IMAGE_BUILDERS``) or from the forward's arguments
-(``generic_image_builder``). ``IMAGE_TOKENS`` holds the placeholder counts that a type's
-config fixes instead of its vision features.
+A layout is picked per type (``IMAGE_LAYOUTS``: the model's type, else its vision tower's, for
+a tower several types share) or from the forward's arguments (``generic_layout``).
+``IMAGE_TOKENS`` holds the placeholder counts that a type's config fixes instead of its vision
+features.
 """
 
 from __future__ import annotations
@@ -14,15 +16,68 @@ import torch
 import torch.nn as nn
 from transformers import PretrainedConfig
 
-from liger_patch.patching.tiny.batch_tokens import forward_params
-from liger_patch.patching.tiny.config_tree import type_key
-from liger_patch.patching.tiny.pixels import channel_count, image_side, merge_size, patch_size, random_pixels
-from liger_patch.patching.tiny.sizes import PATCHES_PER_SIDE, VQ_SIDE
+from liger_patch.verify.config_rules import is_int, type_key
+from liger_patch.verify.models import forward_params
+from liger_patch.verify.sizes import PATCHES_PER_SIDE, VQ_SIDE
 
-ImageBuilder = Callable[[nn.Module, PretrainedConfig, torch.Generator, int], dict[str, Any]]
+ImageLayout = Callable[[nn.Module, PretrainedConfig, torch.Generator, int], dict[str, Any]]
 
 
-def generic_image_builder(model: nn.Module, params: set[str]) -> ImageBuilder:
+def image_side(vision: PretrainedConfig) -> int:
+    """Side of the (square) images the vision tower takes."""
+    size = getattr(vision, "image_size", None)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if isinstance(size, dict):
+        size = size.get("height") or size.get("shortest_edge")
+    if is_int(size):
+        return size
+    return patch_size(vision) * PATCHES_PER_SIDE
+
+
+def patch_size(vision: PretrainedConfig) -> int:
+    """Patch side of a vision tower."""
+    patch = getattr(vision, "patch_size", None)
+    if isinstance(patch, (list, tuple)):
+        patch = patch[0]
+    return patch if is_int(patch) else 14
+
+
+def channel_count(vision: PretrainedConfig) -> int:
+    """Input channels of a vision tower."""
+    for name in ("num_channels", "in_channels", "in_chans", "num_channels_image"):
+        value = getattr(vision, name, None)
+        if is_int(value):
+            return value
+    return 3
+
+
+def random_pixels(gen: torch.Generator, lead: tuple[int, ...], vision: PretrainedConfig) -> torch.Tensor:
+    """Random images of shape ``lead + (channels, side, side)``."""
+    side = image_side(vision)
+    return torch.randn(*lead, channel_count(vision), side, side, generator=gen)
+
+
+def merge_size(vision: PretrainedConfig) -> int:
+    """Side of the patch block a grid model merges into one token."""
+    for name in ("spatial_merge_size", "merge_kernel_size", "merge_size"):
+        value = getattr(vision, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        if is_int(value):
+            return value
+    return 1
+
+
+def layout_for(config: PretrainedConfig, vision: PretrainedConfig | None) -> ImageLayout | None:
+    """The layout ``IMAGE_LAYOUTS`` names for the model's type, else for its vision tower's."""
+    layout = IMAGE_LAYOUTS.get(type_key(config))
+    if layout is None and vision is not None:
+        layout = IMAGE_LAYOUTS.get(type_key(vision))
+    return layout
+
+
+def generic_layout(model: nn.Module, params: set[str]) -> ImageLayout:
     """The image layout a model's forward arguments point to."""
     if "image_grid_thw" in params:
         return _grid_pixels
@@ -204,7 +259,8 @@ def _video_frames(model: nn.Module, vision: PretrainedConfig, gen: torch.Generat
     return {"pixel_values": random_pixels(gen, (batch, 1), vision)}
 
 
-IMAGE_BUILDERS: dict[str, ImageBuilder] = {
+# Layouts by the type of the model or of its vision tower.
+IMAGE_LAYOUTS: dict[str, ImageLayout] = {
     "chameleon": _vq_pixels,
     "deepseek_vl_hybrid": _two_resolution_pixels,
     "emu3": _vq_pixels,
@@ -212,7 +268,7 @@ IMAGE_BUILDERS: dict[str, ImageBuilder] = {
     "gemma4": _positioned_patches,
     "gemma4_unified": _positioned_patches,
     "granite_docling": _docling_tiles,
-    "inkling2": _token_tiles,
+    "inkling2_vision": _token_tiles,
     "instructblipvideo": _video_frames,
     "kosmos_2.5": _flattened_patches,
     "lfm2_vl": _siglip2_patches,

@@ -1,0 +1,253 @@
+"""The verification sweep: every model type of the installed transformers, patched against
+unpatched, with no failure; a wrong fused loss or gradient is caught; a type that gives nothing
+to compare is not called refused; users' own models pass."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import liger_patch as lp
+from liger_patch.patching import forward
+from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
+from liger_patch.patching.registry import BUILTIN_ROWS
+from liger_patch.verify import models
+from liger_patch.verify.compare import verify_model
+from liger_patch.verify.sweep import sweep, verify_type
+from liger_patch.verify.verdicts import (
+    BUILDER_ERROR,
+    FAILED,
+    REFUSED,
+    STATUSES,
+    UNBUILDABLE,
+    UNPATCHED_FAILS,
+    VERIFIED,
+    Verdict,
+)
+from tests.patching.custom_model import TinyMlpConfig, TinyMlpForCausalLM
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+BUILTIN = {row.model_type: row for row in BUILTIN_ROWS}
+
+
+def committed_results() -> dict | None:
+    """The committed CPU sweep for the installed transformers, if there is one."""
+    import transformers
+
+    path = ROOT / "docs" / "results" / f"models-transformers-{transformers.__version__}-cpu-float32.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def sweep_verdicts() -> list[Verdict]:
+    """The whole sweep, on the torch backend: it checks the patching of ~280 types; the Triton
+    kernels (interpreted on CPU, seconds per call) are checked in depth by tests/ops and by
+    test_models.py's families."""
+    return sweep(options={"backend": "torch"})
+
+
+def test_sweep_fails_no_type(sweep_verdicts):
+    failed = [f"{v.task}/{v.model_type}: {v.reason}" for v in sweep_verdicts if v.status == FAILED]
+    assert not failed, "\n".join(failed)
+    assert all(v.status in STATUSES for v in sweep_verdicts)
+    unexplained = [v.model_type for v in sweep_verdicts if v.status != VERIFIED and not v.reason]
+    assert not unexplained, f"not verified, without a reason: {unexplained}"
+
+
+def test_sweep_matches_the_committed_results_for_this_transformers(sweep_verdicts):
+    """Statuses equal docs/results/models-transformers-<version>-cpu-float32.json where one is
+    committed for the installed version (regenerate: python -m liger_patch verify --json <file>,
+    then python docs/gen_models.py)."""
+    committed = committed_results()
+    if committed is None:
+        import transformers
+
+        version = transformers.__version__
+        pytest.skip(
+            f"no committed sweep for transformers {version} (test_sweep_fails_no_type still ran it); "
+            f"add one: python -m liger_patch verify --json "
+            f"docs/results/models-transformers-{version}-cpu-float32.json, then python docs/gen_models.py"
+        )
+    got = {(v.task, v.model_type): v.status for v in sweep_verdicts}
+    want = {(v["task"], v["model_type"]): v["status"] for v in committed["verdicts"]}
+    changed = {
+        key: (want.get(key), got.get(key))
+        for key in got.keys() | want.keys()
+        if got.get(key) != want.get(key)
+    }
+    assert not changed, f"(task, model_type): (committed, now) = {changed}"
+
+
+# Types every supported transformers has, with what the sweep must find: (status, a fragment of
+# the reason). A refusal names the op or layer that does not fit.
+NAMED = {
+    (CAUSAL_LM, "llama"): (VERIFIED, ""),
+    (CAUSAL_LM, "gemma2"): (VERIFIED, ""),
+    (CAUSAL_LM, "qwen3_moe"): (VERIFIED, ""),
+    (CAUSAL_LM, "bert"): (VERIFIED, ""),
+    (CAUSAL_LM, "bart"): (VERIFIED, ""),
+    (CAUSAL_LM, "prophetnet"): (REFUSED, "logits.transpose"),
+    (CAUSAL_LM, "musicgen"): (REFUSED, "ModuleList"),
+    (IMAGE_TEXT_TO_TEXT, "llava"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "qwen2_vl"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "paligemma"): (VERIFIED, ""),
+    (IMAGE_TEXT_TO_TEXT, "chameleon"): (REFUSED, "__setitem__"),
+    (IMAGE_TEXT_TO_TEXT, "idefics"): (REFUSED, "IdeficsDecoupledLinear"),
+    (IMAGE_TEXT_TO_TEXT, "gemma3n"): (UNBUILDABLE, "timm"),
+}
+# Types transformers 4.57 does not have: named from the version that added them.
+NAMED_SINCE: dict[str, dict[tuple[str, str], tuple[str, str]]] = {
+    "5.0": {
+        (CAUSAL_LM, "gemma4_assistant"): (UNBUILDABLE, "takes no labels"),
+    },
+    "5.24": {
+        (CAUSAL_LM, "dory"): (REFUSED, "DoryLMHead"),
+        (IMAGE_TEXT_TO_TEXT, "apertus1p5"): (VERIFIED, ""),
+        (IMAGE_TEXT_TO_TEXT, "inkling2_loop"): (VERIFIED, ""),
+    },
+}
+
+
+def named_types() -> dict[tuple[str, str], tuple[str, str]]:
+    """``NAMED`` and the ``NAMED_SINCE`` entries the installed transformers is new enough for."""
+    import transformers
+    from packaging.version import Version
+
+    named = dict(NAMED)
+    for since, types in NAMED_SINCE.items():
+        if Version(transformers.__version__) >= Version(since):
+            named.update(types)
+    return named
+
+
+def test_named_types_are_verified_or_refused_specifically(sweep_verdicts):
+    """Each named type is in the sweep (a type that disappears fails here) with its status and,
+    when not verified, its reason."""
+    by_type = {(v.task, v.model_type): v for v in sweep_verdicts}
+    named = named_types()
+    missing = sorted(key for key in named if key not in by_type)
+    assert not missing, f"named types the sweep no longer has: {missing}"
+    wrong = {
+        key: (by_type[key].status, by_type[key].reason)
+        for key, (status, fragment) in named.items()
+        if by_type[key].status != status or fragment not in by_type[key].reason
+    }
+    assert not wrong, f"(task, model_type): (status, reason) = {wrong}"
+
+
+def scaled_loss(scale_value: float, scale_grad: float):
+    """A wrapper of the fused head loss whose value or gradient is off by a factor."""
+    real = forward.fused_head_loss
+
+    def wrong(*args, **kwargs):
+        result = real(*args, **kwargs)
+        loss = result.loss if isinstance(result, tuple) else result
+        loss = loss.detach() * scale_value + (loss - loss.detach()) * scale_grad
+        return result._replace(loss=loss) if isinstance(result, tuple) else loss
+
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("value", "grad", "named"), [(1.001, 1.0, "loss"), (1.0, 1.01, "gradient of")], ids=["loss", "grad"]
+)
+def test_a_wrong_loss_or_gradient_is_reported_as_failed(monkeypatch, value, grad, named):
+    monkeypatch.setattr(forward, "fused_head_loss", scaled_loss(value, grad))
+    verdict = verify_type("llama")
+    assert verdict.status == FAILED and named in verdict.reason, verdict
+
+
+def test_a_fallback_is_reported_as_refused_with_its_reason():
+    class TransposingLM(TinyMlpForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state).transpose(1, 2)
+            return {
+                "loss": torch.nn.functional.cross_entropy(logits[..., :-1], labels[:, 1:]),
+                "logits": logits,
+            }
+
+    torch.manual_seed(0)
+    model = TransposingLM(TinyMlpConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
+    ids = torch.randint(0, 64, (2, 8))
+    verdict = verify_model(model, {"input_ids": ids, "labels": ids})
+    assert verdict.status == REFUSED and "transpose" in verdict.reason
+
+
+def test_a_type_with_no_tiny_model_here_is_unbuildable_not_refused():
+    verdict = verify_type("gemma3n", IMAGE_TEXT_TO_TEXT)
+    assert verdict.status == UNBUILDABLE and "timm" in verdict.reason, verdict
+
+
+def test_a_builder_exception_is_its_own_status(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape '[-1, 2]' is invalid")
+
+    monkeypatch.setattr(models, "tiny_model", broken)
+    verdict = verify_type("llama")
+    assert verdict.status == BUILDER_ERROR, verdict
+    assert verdict.reason == "RuntimeError: shape '[-1, 2]' is invalid"
+
+
+class FailingLM(TinyMlpForCausalLM):
+    """A model whose own forward raises on every batch."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        raise AttributeError("'CausalLMOutput' object has no attribute 'image_outputs'")
+
+
+class NanLM(TinyMlpForCausalLM):
+    """A model whose own loss is NaN."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        output = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        output["loss"] = output["loss"] * float("nan")
+        return output
+
+
+@pytest.mark.parametrize(("cls", "named"), [(FailingLM, "image_outputs"), (NanLM, "not finite")])
+def test_an_unpatched_model_failing_on_its_batch_is_not_refused(cls, named):
+    torch.manual_seed(0)
+    model = cls(TinyMlpConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
+    ids = torch.randint(0, 64, (2, 8))
+    verdict = verify_model(model, {"input_ids": ids, "labels": ids})
+    assert verdict.status == UNPATCHED_FAILS and named in verdict.reason, verdict
+
+
+def test_a_users_own_architecture_patches_with_no_registration():
+    torch.manual_seed(0)
+    model = TinyMlpForCausalLM(TinyMlpConfig(vocab_size=97, hidden_size=24, num_hidden_layers=2))
+    ids = torch.randint(0, 97, (2, 11))
+    labels = ids.clone()
+    labels[:, 0] = labels[:, -1] = -100
+    verdict = verify_model(model, {"input_ids": ids, "labels": labels})
+    assert verdict.status == VERIFIED, verdict
+    assert lp.supported_models(derived=False) == BUILTIN
+
+
+def test_cli_verifies_a_users_model_and_named_types():
+    command = [sys.executable, "-m", "liger_patch", "verify"]
+    user = subprocess.run(
+        [*command, "--model", "tests.patching.custom_model:TinyMlpForCausalLM"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert user.returncode == 0, user.stdout + user.stderr
+    assert user.stdout.startswith("verified") and "tiny_mlp_lm" in user.stdout
+    named = subprocess.run(
+        [*command, "llama", "--task", CAUSAL_LM], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    counts = {status: int(status == VERIFIED) for status in STATUSES}
+    assert named.returncode == 0 and str(counts) in named.stdout, named.stdout
+
+
+def test_docs_models_md_is_generated_from_the_committed_sweeps():
+    result = subprocess.run([sys.executable, "docs/gen_models.py", "--check"], cwd=ROOT, timeout=60)
+    assert result.returncode == 0, "run: python docs/gen_models.py"
