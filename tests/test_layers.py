@@ -7,8 +7,8 @@ both. ``liger_patch/__init__.py`` re-exports the public API from every layer and
 importer; imported (``import liger_patch``, ``from liger_patch import apply_liger_to``) it counts
 as the integrations layer, the highest it re-exports from.
 
-The verification sweep is CLI code wherever it lives: ``liger_patch/verify/`` and, until it
-moves there, ``liger_patch/patching/verify*.py`` and ``liger_patch/patching/tiny/``.
+The CLI layer is ``liger_patch/verify/`` (the verification sweep and its tiny-model factory) and
+the top-level command modules (``__main__``, ``doctor``, ``demo``, ``peak_memory``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ LAYER_NAMES = {OPS: "ops", PATCHING: "patching", INTEGRATIONS: "integrations", C
 
 ROOT = "liger_patch"
 # Modules of the CLI layer living outside a CLI package, by exact name or as a package prefix.
-CLI_MODULES = ("liger_patch.__main__", "liger_patch.doctor", "liger_patch.demo")
-CLI_PACKAGES = ("liger_patch.verify", "liger_patch.patching.tiny")
-CLI_IN_PATCHING = "liger_patch.patching.verify"  # verify.py, verify_cli.py: a name prefix
+CLI_MODULES = ("liger_patch.__main__", "liger_patch.doctor", "liger_patch.demo", "liger_patch.peak_memory")
+CLI_PACKAGES = ("liger_patch.verify",)
 LAYER_PACKAGES = {
     "liger_patch.env": OPS,  # environment flags: anyone may import it
     "liger_patch.ops": OPS,
@@ -45,8 +44,6 @@ def layer_of(name: str) -> int:
     if name == ROOT:
         return INTEGRATIONS
     if name in CLI_MODULES or any(_within(name, p) for p in CLI_PACKAGES):
-        return CLI
-    if name.startswith(CLI_IN_PATCHING):
         return CLI
     for package, layer in LAYER_PACKAGES.items():
         if _within(name, package):
@@ -123,11 +120,9 @@ def test_every_module_is_in_a_layer():
         ("liger_patch.env", OPS),
         ("liger_patch.ops.triton.rows", OPS),
         ("liger_patch.patching.apply", PATCHING),
-        ("liger_patch.patching.verify", CLI),
-        ("liger_patch.patching.verify_cli", CLI),
-        ("liger_patch.patching.tiny.models", CLI),
         ("liger_patch.verify", CLI),
-        ("liger_patch.verify.tiny", CLI),
+        ("liger_patch.verify.sweep", CLI),
+        ("liger_patch.peak_memory", CLI),
         ("liger_patch.integrations.trl", INTEGRATIONS),
         ("liger_patch.__main__", CLI),
         ("liger_patch", INTEGRATIONS),
