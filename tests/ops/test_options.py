@@ -161,10 +161,13 @@ SAMPLES = {
 
 
 def _loss_and_grads(**options):
+    """Loss and gradients on the GPU where there is one (the Triton sample needs CUDA tensors
+    there; on a CPU machine tests/conftest.py runs Triton's interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(9, 6, generator=gen, requires_grad=True)
-    weight = torch.randn(11, 6, generator=gen, requires_grad=True)
-    labels = torch.tensor([3, 1, 3, 4, 5, 6, 7, 8, 3])
+    hidden = torch.randn(9, 6, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(11, 6, generator=gen).to(device).requires_grad_()
+    labels = torch.tensor([3, 1, 3, 4, 5, 6, 7, 8, 3], device=device)
     options.setdefault("backend", "torch")
     out = lp.fused_linear_cross_entropy(hidden, weight, labels, **options)
     loss = out if torch.is_tensor(out) else out.loss
