@@ -165,6 +165,7 @@ OPTION_CASES = {
     "logit_scale_down": ({}, {"logit_scale": 0.25}),
     "softcap_and_scale": ({"bias": True}, {"softcap": 3.0, "logit_scale": 0.6}),
     "token_scaling": ({}, {"use_token_scaling": True}),
+    "token_scaling_z_loss": ({}, {"use_token_scaling": True, "z_loss_scale": 2e-2, "return_z_loss": True}),
     "token_scaling_z_loss_none": (
         {},
         {"use_token_scaling": True, "z_loss_scale": 2e-2, "return_z_loss": True, "reduction": "none"},

@@ -35,6 +35,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -196,11 +197,17 @@ def _note_bypass(state: PatchState, reason: str) -> None:
     state.warn_bypass_once(f"liger_patch: {reason}; the fused loss is not used for it.", stacklevel=4)
 
 
+# The patches already told that their loss options do not apply under TRL's head, by id (a
+# PatchState is unhashable); an entry leaves with its patch, so an id is never mistaken.
+_WARNED_OPTIONS: weakref.WeakValueDictionary[int, PatchState] = weakref.WeakValueDictionary()
+
+
 def _warn_unused_loss_options(state: PatchState) -> None:
+    """Say once per patch which of its loss-math options TRL's fused head does not apply."""
     changed = state.options.changed()
     unused = [name for name in LOSS_OPTIONS if name in changed]
-    if unused and not state.warned_trl_options:
-        state.warned_trl_options = True
+    if unused and _WARNED_OPTIONS.get(id(state)) is not state:
+        _WARNED_OPTIONS[id(state)] = state
         warnings.warn(
             f"liger_patch: TRL computes its loss from the per-token log-probs alone; the patch's "
             f"{', '.join(unused)} do not apply under TRL's fused LM head (use TRL's own settings).",

@@ -8,20 +8,26 @@ so the temperature folds exactly into the op's ``logit_scale`` and ``softcap`` o
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import namedtuple
+from typing import Any
 
 import torch
 
 from liger_patch.ops.fused_linear_ce import _fused
 from liger_patch.ops.options import (
     DEFAULT_OPTIONS,
-    BackendName,
+    OptionKind,
     build_options,
     constant_changes,
     option_float,
+    options_of_kind,
+    options_parameters,
 )
-from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
+
+RUNTIME_OPTIONS = options_of_kind(OptionKind.RUNTIME)
+"""The options a log-prob call takes as they are: how the op runs, never what it computes."""
 
 LogProbs = namedtuple("LogProbs", ("logprobs", "entropy"))
 """``fused_linear_logprobs(..., return_entropy=True)``'s result: both per token."""
@@ -53,10 +59,7 @@ def fused_linear_logprobs(
     ignore_index: int = -100,
     softcap: float | None = None,
     logit_scale: float | None = None,
-    backend: BackendName = "auto",
-    memory_budget: int | str | None = None,
-    logits_dtype: torch.dtype | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    **runtime: Any,
 ) -> torch.Tensor | LogProbs:
     """log p(labels) per token under softmax(softcap(logit_scale * (hidden @ weight.T + bias)) / temperature).
 
@@ -66,21 +69,26 @@ def fused_linear_logprobs(
         temperature: T > 0 dividing the final logits (TRL's ``GRPOConfig.temperature``).
         return_entropy: also return the entropy of that softmax per token.
         ignore_index: label of tokens to skip: their log-prob and entropy are 0 (and get no gradient).
-        softcap, logit_scale, backend, memory_budget, logits_dtype, tuning: as for
-            :func:`fused_linear_cross_entropy`.
+        softcap, logit_scale: as for :func:`fused_linear_cross_entropy`.
+        runtime: every option of the runtime kind (how the op runs: ``backend``,
+            ``memory_budget``, ``logits_dtype``, ``tuning``), as for :func:`fused_linear_cross_entropy`;
+            the loss-math and output options are the log-prob's own above, any other is refused.
 
     Returns the log-probs in labels' shape (fp32, differentiable: ``-logprobs.sum().backward()`` is
     the cross-entropy's gradient), or ``LogProbs(logprobs, entropy)`` with ``return_entropy``;
     the entropy is differentiable too (an entropy bonus). The ``tokens x vocab`` logits are
     never built.
     """
+    not_runtime = sorted(set(runtime) - set(RUNTIME_OPTIONS))
+    if not_runtime:
+        raise TypeError(
+            f"fused_linear_logprobs got unknown option(s) {not_runtime}; besides temperature, "
+            f"return_entropy, ignore_index, softcap and logit_scale it takes {list(RUNTIME_OPTIONS)}"
+        )
     given = dict(
         ignore_index=ignore_index,
         return_entropy=return_entropy,
-        backend=backend,
-        memory_budget=memory_budget,
-        logits_dtype=logits_dtype,
-        tuning=tuning,
+        **runtime,
         **temperature_options(temperature, logit_scale, softcap),
     )
     opts = build_options(
@@ -90,3 +98,10 @@ def fused_linear_logprobs(
     if return_entropy:
         return LogProbs(-out.loss, out.entropy)
     return -out
+
+
+_own = list(inspect.signature(fused_linear_logprobs).parameters.values())[:-1]  # without **runtime
+fused_linear_logprobs.__signature__ = inspect.Signature(
+    [*_own, *(p for p in options_parameters() if p.name in RUNTIME_OPTIONS)],
+    return_annotation=inspect.signature(fused_linear_logprobs).return_annotation,
+)

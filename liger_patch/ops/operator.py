@@ -30,7 +30,7 @@ from liger_patch.ops.chunked import ChunkResult, run_chunks
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
-from liger_patch.ops.torch_ce import ce_rows_torch, final_logits
+from liger_patch.ops.torch_ce import ce_rows_torch, final_logits, row_entropy
 
 _F32 = torch.float32
 
@@ -373,9 +373,7 @@ def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
             upstream.append(grad)
     if grad_entropy is not None:
         z, _ = final_logits(logits, opts)
-        p = torch.softmax(z, dim=-1)
-        entropy = torch.where(labels != opts.ignore_index, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), 0.0)
-        outputs.append(entropy)
+        outputs.append(row_entropy(z, lse, labels != opts.ignore_index))
         upstream.append(grad_entropy)
     grads = [None] * len(inputs)
     if outputs:

@@ -238,8 +238,8 @@ def _checked(opts: LossOptions) -> dict[str, Any]:
     )
 
 
-FLAG_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions) if f.type == "bool")
-"""The on/off options (annotated ``bool``), normalised by ``bool()``."""
+FLAG_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions) if isinstance(f.default, bool))
+"""The on/off options (a ``bool`` default), normalised by ``bool()``."""
 
 
 DEFAULT_OPTIONS = LossOptions()

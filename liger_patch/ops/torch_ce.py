@@ -163,9 +163,15 @@ def _write_outputs(outputs: RowOutputs, z: torch.Tensor, lse: torch.Tensor, keep
     if outputs.argmax is not None:
         outputs.argmax.copy_(torch.where(keep, z.argmax(dim=-1), -1))
     if outputs.entropy is not None:
-        p = torch.exp((z - lse.unsqueeze(-1)).clamp_max(0.0))
-        zero = torch.zeros((), dtype=torch.float32, device=z.device)
-        outputs.entropy.copy_(torch.where(keep, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), zero))
+        outputs.entropy.copy_(row_entropy(z, lse, keep))
+
+
+def row_entropy(z: torch.Tensor, lse: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy of softmax(z), ``sum_j p_j (lse - z_j)`` with ``p = exp(z - lse)``, 0 at
+    rows not kept; differentiable (the operator's second-order path takes its gradient)."""
+    p = torch.exp((z - lse.unsqueeze(-1)).clamp_max(0.0))
+    zero = torch.zeros((), dtype=torch.float32, device=z.device)
+    return torch.where(keep, (p * (lse.unsqueeze(-1) - z)).sum(dim=-1), zero)
 
 
 @dataclass(frozen=True)

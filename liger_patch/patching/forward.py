@@ -45,7 +45,6 @@ from liger_patch.patching.state import STATE_ATTR, PatchState
 __all__ = [
     "CALL_FLAGS",
     "FORWARD_SETS",
-    "OUTPUT_ATTRS",
     "PatchLoss",
     "is_liger_forward",
     "make_liger_forward",
@@ -54,10 +53,6 @@ __all__ = [
 
 ORIGINAL_ATTR = "__liger_original__"
 
-FORWARD_SETS = ("ignore_index", "reduction", "softcap", "logit_scale", "return_z_loss")
-"""The loss options the patched forward sets on every call (``_per_call_options``), so a patch
-does not take them (``apply_liger_to`` refuses them); ``_SOURCES`` says where each comes from."""
-
 _SOURCES = {
     "ignore_index": "the model's own loss call (transformers' default -100)",
     "reduction": "the model's own loss call: 'mean', divided by num_items_in_batch when the call passes it",
@@ -65,7 +60,10 @@ _SOURCES = {
     "logit_scale": "the model's own forward: the constants it scales its logits by",
     "return_z_loss": "on when z_loss_scale > 0, the term reported as outputs.z_loss",
 }
-assert tuple(_SOURCES) == FORWARD_SETS
+
+FORWARD_SETS = tuple(_SOURCES)
+"""The loss options the patched forward sets on every call (``_per_call_options``), so a patch
+does not take them (``apply_liger_to`` refuses them); ``_SOURCES`` says where each comes from."""
 
 
 CALL_FLAGS = tuple(name for name in FLAG_NAMES if name not in FORWARD_SETS)
@@ -76,17 +74,13 @@ they are taken out of the call (the model's forward never sees them) and turn th
 the call. The outputs land on the output as attributes: ``outputs.token_accuracy``,
 ``outputs.predicted_tokens``, ``outputs.entropy``."""
 
-OUTPUT_ATTRS = OUTPUT_NAMES
-"""Attributes the fused path sets on a ModelOutput, the op's outputs (``None`` when not asked for)."""
-
 
 def set_by_forward(names: list[str]) -> str:
     """``name (where the forward takes it from)`` for each of ``names``, for an error message."""
     return "; ".join(f"{name} ({_SOURCES[name]})" for name in names)
 
 
-# Not frozen: torch 2.11's dynamo loses the fields a frozen dataclass's __init__ sets while
-# it traces a compiled patched model (the compile tests failed there).
+# Not frozen, as seam.LossRequest (torch 2.11's dynamo).
 @dataclass
 class PatchLoss:
     """The patched forward's side of the loss seam (``seam.DeferredLoss``): the fused loss with
@@ -180,7 +174,7 @@ def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState
     if hasattr(output, "__dict__"):  # a ModelOutput (a tuple or a plain dict has no attributes)
         # Attributes, not fields: they stay out of to_tuple() and of the Trainer's logits tuple.
         values = {**call.outputs, "z_loss": z_loss}
-        for name in OUTPUT_ATTRS:
+        for name in OUTPUT_NAMES:  # attributes, the op's outputs (None when not asked for)
             object.__setattr__(output, name, values.get(name))
     return output
 

@@ -13,6 +13,7 @@ before one tanh and to ``q`` after it; ``q * tanh(p * x)`` is that with ``c = q`
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Callable
@@ -33,8 +34,7 @@ class LogitsOp(NamedTuple):
     operand: Any = None
 
 
-# Not frozen: torch 2.11's dynamo loses the fields a frozen dataclass's __init__ sets while
-# it traces a compiled patched model (the compile tests failed there).
+# Not frozen, as seam.LossRequest (torch 2.11's dynamo).
 @dataclass
 class HeadMath:
     """Ops folded so far: the scale before the tanh, the scale after it, whether it came."""
@@ -55,16 +55,25 @@ class HeadMath:
 
 
 def _scalar(operand: Any, what: str) -> float:
-    """``operand`` as a Python float for the fused loss; a learnable or non-scalar one is refused."""
+    """``operand`` as a Python float for the fused loss; a learnable, non-scalar, zero or
+    non-finite one is refused (the model's own path then runs, whatever it makes of it)."""
     if isinstance(operand, numbers.Real) and not isinstance(operand, bool):
-        return float(operand)
+        return _usable(float(operand), what)
     if torch.is_tensor(operand) and operand.numel() == 1 and not operand.is_complex():
         if operand.requires_grad:
             raise UnfusableLogitsUse(
                 f"it {what} the logits by a learnable tensor (the fused loss takes a constant)"
             )
-        return float(operand)
+        return _usable(float(operand), what)
     raise UnfusableLogitsUse(f"it {what} the logits by {type(operand).__name__} (not a scalar constant)")
+
+
+def _usable(value: float, what: str) -> float:
+    if value == 0.0 or not math.isfinite(value):
+        raise UnfusableLogitsUse(
+            f"it {what} the logits by {value} (the fused loss takes a finite, non-zero one)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -76,11 +85,11 @@ class OpKind:
 
 
 OPS: dict[str, OpKind] = {
-    "mul": OpKind(replay=operator.mul, fold=lambda math, x: math.scaled(_scalar(x, "multiplies"))),
-    "div": OpKind(replay=operator.truediv, fold=lambda math, x: math.scaled(1.0 / _scalar(x, "divides"))),
-    "tanh": OpKind(replay=lambda logits, _: torch.tanh(logits), fold=lambda math, _: math.tanh()),
+    "mul": OpKind(replay=operator.mul, fold=lambda folded, x: folded.scaled(_scalar(x, "multiplies"))),
+    "div": OpKind(replay=operator.truediv, fold=lambda folded, x: folded.scaled(1.0 / _scalar(x, "divides"))),
+    "tanh": OpKind(replay=lambda logits, _: torch.tanh(logits), fold=lambda folded, _: folded.tanh()),
     # a cast changes what the model computes in, not the loss: the fused op computes in fp32
-    "cast": OpKind(replay=lambda logits, dtype: logits.to(dtype), fold=lambda math, _: math),
+    "cast": OpKind(replay=lambda logits, dtype: logits.to(dtype), fold=lambda folded, _: folded),
 }
 
 
@@ -100,11 +109,11 @@ def replay(logits: torch.Tensor, ops: tuple[LogitsOp, ...]) -> torch.Tensor:
 
 def loss_math(ops: tuple[LogitsOp, ...]) -> tuple[float | None, float | None]:
     """``(logit_scale, softcap)`` for the fused loss equal to ``ops`` (``None``: not applied)."""
-    math = HeadMath()
+    folded = HeadMath()
     for op in ops:
-        math = OPS[op.kind].fold(math, op.operand)
-    if not math.capped:
-        return (None if math.before == 1.0 else math.before), None
-    if not math.after > 0:
-        raise UnfusableLogitsUse(f"it scales tanh of the logits by {math.after} (a softcap must be > 0)")
-    return math.before * math.after, math.after
+        folded = OPS[op.kind].fold(folded, op.operand)
+    if not folded.capped:
+        return (None if folded.before == 1.0 else _usable(folded.before, "scales")), None
+    if not folded.after > 0:
+        raise UnfusableLogitsUse(f"it scales tanh of the logits by {folded.after} (a softcap must be > 0)")
+    return _usable(folded.before * folded.after, "scales"), _usable(folded.after, "scales tanh of")

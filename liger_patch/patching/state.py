@@ -106,7 +106,6 @@ class PatchState:
     fused_ran: bool = False
     bypass_reason: str | None = None
     warned_bypass: bool = False
-    warned_trl_options: bool = False
 
     def budget_changes(self) -> dict[str, str]:
         """``{"memory_budget": "batch"}`` when neither the patch's options nor

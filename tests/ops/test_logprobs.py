@@ -279,3 +279,26 @@ def test_unknown_keywords_are_refused(gen, kwargs):
     case = make_case(gen, (4,), H, V)
     with pytest.raises(TypeError):
         lp.fused_linear_logprobs(case.hidden, case.weight, case.labels, **kwargs)
+
+
+def test_every_runtime_option_is_taken_and_listed():
+    """The runtime options (tagged by kind in LossOptions) reach the log-prob op, each listed in
+    its signature; a new one needs no edit here."""
+    import inspect
+
+    from liger_patch.ops.options import OptionKind, options_of_kind
+
+    runtime = options_of_kind(OptionKind.RUNTIME)
+    assert set(runtime) <= set(inspect.signature(lp.fused_linear_logprobs).parameters)
+    gen = torch.Generator().manual_seed(0)
+    case = make_case(gen, (5,), H, V)
+    plain = lp.fused_linear_logprobs(case.hidden, case.weight, case.labels, backend="torch")
+    lean = lp.fused_linear_logprobs(
+        case.hidden,
+        case.weight,
+        case.labels,
+        backend="torch",
+        memory_budget="lean",
+        logits_dtype=torch.float32,
+    )
+    torch.testing.assert_close(lean, plain)

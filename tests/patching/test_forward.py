@@ -280,3 +280,21 @@ def test_a_forward_reading_its_heads_attributes_fuses_and_matches():
     close(got.loss, expected.loss)
     for a, b in zip(patched.parameters(), reference.parameters(), strict=True):
         close(a.grad, b.grad)
+
+
+def test_a_degenerate_head_constant_runs_the_original_path():
+    """A forward dividing its logits by 0 (or scaling them by NaN) runs unpatched as it would
+    without the patch, with the refusal said once: never a crash because it is patched."""
+    from tests.patching.custom_model import TinyMlpConfig, TinyMlpForCausalLM
+
+    torch.manual_seed(0)
+    config = TinyMlpConfig(vocab_size=97, hidden_size=24, num_hidden_layers=2, logit_scale=float("nan"))
+    reference = TinyMlpForCausalLM(config).train()
+    patched = lp.apply_liger_to(copy.deepcopy(reference))
+    batch = make_batch(device="cpu")
+    batch["input_ids"] = batch["input_ids"] % 97
+    batch["labels"] = torch.where(batch["labels"] >= 0, batch["labels"] % 97, batch["labels"])
+    with pytest.warns(UserWarning, match="by nan"):
+        got = patched(**batch)
+    expected = reference(**batch)
+    assert got.logits is not None and torch.isnan(got.loss) and torch.isnan(expected.loss)
