@@ -32,7 +32,9 @@ written by `python -m liger_patch verify --json <file>` (a tiny random model per
 or bf16 on a GPU); check your own model with `python -m liger_patch verify --model <path or
 module:Class>`. The sweeps of transformers 5.17 and 5.23 were run before the last three statuses
 existed (all three were then reported as refused); their statuses were converted from the reasons
-they recorded.
+they recorded. Until the sweep asked derivation first, a type whose class takes no labels was
+reported unbuildable; in the sweeps of 5.17 and 5.23 those were converted to refused, with the
+reason derivation gives for the same class in transformers 5.24.
 
 A new transformers release: `pytest` runs the whole sweep on whatever transformers is installed and
 fails on any **failed** type, results file or not; with no file committed for that version the

@@ -11,7 +11,8 @@ The sweep:
 
 - ``verdicts``: the statuses, what each means, a type's :class:`Verdict`, the tolerances.
 - ``compare``: one model patched against unpatched (:func:`verify_model`).
-- ``sweep``: a tiny model of a type built and compared (:func:`verify_type`), every type (:func:`sweep`).
+- ``sweep``: a type refused by derivation, else a tiny model of it built and compared
+  (:func:`verify_type`); every type (:func:`sweep`).
 - ``cli``: the ``verify`` subcommand.
 
 The tiny-model factory, in the order a model and its batch are made (seconds per type on CPU,
@@ -32,6 +33,8 @@ nothing downloaded):
 - ``batches``: the batch (ids, mask, labels with ignored positions, images), per-type batches
   and fixups.
 
-A type no tiny model can be built of here (a package or hub download the machine lacks, no LM
-loss) raises :class:`~liger_patch.verify.config_rules.TinyModelError` with the reason.
+A type whose class the patch refuses (``patching/derive.py``'s rule, e.g. a forward that takes no
+labels) is reported refused before anything is built. A type no tiny model can be built of here
+(a package or hub download the machine lacks) raises
+:class:`~liger_patch.verify.config_rules.TinyModelError` with the reason.
 """

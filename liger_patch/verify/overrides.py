@@ -4,7 +4,7 @@ As values: set on a type's shrunk (sub)config (``OVERRIDES``), keyword arguments
 default config needs (``DEFAULT_KWARGS``), multimodal RoPE sections for the tiny head dim
 (``MROPE_SECTIONS``), special token ids the modeling code reads but the default leaves unset
 (``NEEDED_TOKEN_IDS``), and the types no tiny model can be built of here, with the reason
-(``UNBUILDABLE``). As code (``CONFIG_FIXES``), fixes that depend on the dict's current content
+(``NO_TINY_MODEL``). As code (``CONFIG_FIXES``), fixes that depend on the dict's current content
 (and so on the transformers version): layer-kind lists the default leaves to the checkpoint,
 hybrid layouts that need more than one layer of a kind, the VQ image vocabulary of Chameleon /
 Emu3.
@@ -140,8 +140,9 @@ NEEDED_TOKEN_IDS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Types no tiny model can be built of on a CPU machine without internet, with the reason.
-UNBUILDABLE: dict[str, str] = {
+# Types no tiny model can be built of on a CPU machine without internet, with the reason (the sweep
+# calls them unbuildable).
+NO_TINY_MODEL: dict[str, str] = {
     "gemma3n": "the vision tower is a timm model (TimmWrapperModel), which needs timm and a hub download",
 }
 

@@ -1,6 +1,7 @@
-"""The verification sweep: :func:`verify_type` for one model type (a tiny random model of it,
-built here, then :func:`~liger_patch.verify.compare.verify_model`), :func:`sweep` for every
-causal-LM and image-text-to-text type of the installed transformers.
+"""The verification sweep: :func:`verify_type` for one model type (refused when derivation
+declines its class, else a tiny random model of it, built here, then
+:func:`~liger_patch.verify.compare.verify_model`), :func:`sweep` for every causal-LM and
+image-text-to-text type of the installed transformers.
 
 The tiny-model factory is imported on use: it imports transformers, which ``python -m
 liger_patch`` need not pay for its other commands (this module is imported to build the parser).
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.patching.derive import CAUSAL_LM, TASKS
+from liger_patch.patching.derive import CAUSAL_LM, TASKS, spec_for
+from liger_patch.patching.registry import UnsupportedModelError
 from liger_patch.verify.compare import batch_to, verify_model
-from liger_patch.verify.verdicts import BUILDER_ERROR, FAILED, UNBUILDABLE, Verdict, brief
+from liger_patch.verify.verdicts import BUILDER_ERROR, FAILED, REFUSED, UNBUILDABLE, Verdict, brief
 
 __all__ = ["sweep", "verify_type"]
 
@@ -32,23 +34,57 @@ def verify_type(
     seed: int = 0,
     options: dict[str, Any] | None = None,
 ) -> Verdict:
-    """Build a tiny ``model_type`` model for ``task`` and :func:`verify_model` it. A model that
-    cannot be built here is **unbuildable** (a known reason: :class:`TinyModelError`) or a
-    **builder-error** (any other exception), with the reason; nothing is refused for it."""
+    """**refused** with derivation's reason when ``apply_liger_to`` declines the type's class
+    (nothing is built for it); else build a tiny ``model_type`` model for ``task`` and
+    :func:`verify_model` it. A model that cannot be built here is **unbuildable** (a known
+    reason: :class:`TinyModelError`) or a **builder-error** (any other exception), with the
+    reason."""
+    start = time.perf_counter()
+    verdict = _refused(model_type, task)
+    if verdict is None:
+        verdict = _built_and_checked(model_type, task, dtype, device, seed, options)
+    verdict.seconds = round(time.perf_counter() - start, 3)
+    return verdict
+
+
+def _refused(model_type: str, task: str) -> Verdict | None:
+    """The **refused** verdict when derivation declines the class ``task`` maps ``model_type`` to
+    (``derive.spec_for``, the question ``apply_liger_to`` asks of a model's class: one rule, in
+    ``derive.py``, asked before anything is built), else ``None``. A type with no class here is
+    left to the build, which says why."""
+    from liger_patch.verify.models import model_class
+
+    try:
+        cls = model_class(model_type, task)
+    except Exception:  # reported by the build with the same error
+        return None
+    try:
+        spec_for(cls)
+    except UnsupportedModelError as error:
+        return Verdict(model_type, task, REFUSED, reason=str(error), class_name=cls.__name__)
+    return None
+
+
+def _built_and_checked(
+    model_type: str,
+    task: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    options: dict[str, Any] | None,
+) -> Verdict:
+    """A tiny model and its batch built, then :func:`verify_model`; or why they could not be."""
     from liger_patch.verify.batches import example_batch
     from liger_patch.verify.models import tiny_model
 
-    start = time.perf_counter()
     try:
         model = tiny_model(model_type, task, seed=seed)  # the batch is built for it in fp32 on CPU
         batch = batch_to(example_batch(model, seed=seed), torch.device(device), dtype)
         model.to(device=device, dtype=dtype)
     except Exception as error:  # any failure to build is a reason to report, not a crash
-        verdict = _not_built(model_type, task, error)
-    else:
-        verdict = _checked(model, batch, seed, options)
-        verdict.model_type, verdict.task = model_type, task
-    verdict.seconds = round(time.perf_counter() - start, 3)
+        return _not_built(model_type, task, error)
+    verdict = _checked(model, batch, seed, options)
+    verdict.model_type, verdict.task = model_type, task
     return verdict
 
 

@@ -38,13 +38,13 @@ UNPATCHED_FAILS = "unpatched-fails"
 STATUS_MEANINGS: dict[str, str] = {
     VERIFIED: "the fused path ran (no logits built) and the loss and every parameter's gradient "
     "matched the unpatched step",
-    REFUSED: "the patch itself declines the type: `apply_liger_to` refuses it, or its forward falls "
-    "back to the original path; the reason says why (nothing is patched on a guess)",
+    REFUSED: "the patch itself declines the type: `apply_liger_to` refuses its class (asked first, "
+    "before anything is built: a forward that takes no labels, say) or the tiny model, or its forward "
+    "falls back to the original path; the reason says why (nothing is patched on a guess)",
     FAILED: "the fused path ran and did not match, or raised. A failed type goes into "
     "`derive.KNOWN_MISMATCHES` until it is fixed: no silent wrong loss, ever",
     UNBUILDABLE: "no tiny model of the type can be built here, for a known reason (a package or hub "
-    "download this machine lacks, a config the tiny sizes cannot satisfy, a forward that takes no "
-    "labels)",
+    "download this machine lacks, a config the tiny sizes cannot satisfy)",
     BUILDER_ERROR: "building the tiny model or its batch raised an unexpected exception: the "
     "tiny-model factory does not handle the type yet",
     UNPATCHED_FAILS: "the unpatched model fails on its own batch (it raises, or its loss or a "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.patching import forward
+from liger_patch.patching import derive, forward
 from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT
 from liger_patch.patching.registry import BUILTIN_ROWS
 from liger_patch.verify import models
@@ -104,7 +104,7 @@ NAMED = {
 # Types transformers 4.57 does not have: named from the version that added them.
 NAMED_SINCE: dict[str, dict[tuple[str, str], tuple[str, str]]] = {
     "5.0": {
-        (CAUSAL_LM, "gemma4_assistant"): (UNBUILDABLE, "takes no labels"),
+        (CAUSAL_LM, "gemma4_assistant"): (REFUSED, "takes no labels, so it computes no loss to fuse"),
     },
     "5.24": {
         (CAUSAL_LM, "dory"): (REFUSED, "DoryLMHead"),
@@ -177,6 +177,57 @@ def test_a_fallback_is_reported_as_refused_with_its_reason():
     ids = torch.randint(0, 64, (2, 8))
     verdict = verify_model(model, {"input_ids": ids, "labels": ids})
     assert verdict.status == REFUSED and "transpose" in verdict.reason
+
+
+class NoLabelsLM(TinyMlpForCausalLM):
+    """A causal LM whose forward takes no labels: derivation refuses its class."""
+
+    def forward(self, input_ids=None, **kwargs):
+        return super().forward(input_ids=input_ids)
+
+
+def refusal_of(cls: type) -> str:
+    """What ``apply_liger_to`` says when it refuses the class ``cls``."""
+    with pytest.raises(lp.UnsupportedModelError) as refused:
+        lp.apply_liger_to(cls)
+    return str(refused.value)
+
+
+@pytest.fixture
+def builds(monkeypatch) -> list[tuple]:
+    """The arguments of every tiny model the sweep builds from here on (each still built)."""
+    built, real = [], models.tiny_model
+
+    def recording(*args, **kwargs):
+        built.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(models, "tiny_model", recording)
+    return built
+
+
+def test_a_class_that_takes_no_labels_is_refused_with_derivations_reason_unbuilt(monkeypatch, builds):
+    """The sweep's "refused" is apply_liger_to's refusal, asked before building: not unbuildable."""
+    real = models.model_class
+    monkeypatch.setattr(
+        models, "model_class", lambda t, task: NoLabelsLM if t == "no_labels_lm" else real(t, task)
+    )
+    verdict = verify_type("no_labels_lm")
+    assert (verdict.status, verdict.reason) == (REFUSED, refusal_of(NoLabelsLM)), verdict
+    assert "NoLabelsLM.forward takes no labels" in verdict.reason and verdict.class_name == "NoLabelsLM"
+    assert builds == []
+
+
+def test_any_refusal_of_derivation_is_reported_before_building(monkeypatch, builds):
+    """Not only "no labels": whatever derivation refuses (here a known mismatch) is refused,
+    with its reason, and nothing is built."""
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setitem(derive.KNOWN_MISMATCHES, "llama", "its loss is off by one token")
+    verdict = verify_type("llama")
+    assert (verdict.status, verdict.reason) == (REFUSED, refusal_of(LlamaForCausalLM)), verdict
+    assert "off by one token" in verdict.reason
+    assert builds == []
 
 
 def test_a_type_with_no_tiny_model_here_is_unbuildable_not_refused():
