@@ -119,21 +119,21 @@ def verify_model(
     options: dict[str, Any] | None = None,
 ) -> Verdict:
     """Train ``model`` (left untouched: copies are used) one step unpatched and patched (with
-    ``apply_liger_to``'s ``options``) on ``batch`` and compare: **unpatched-fails** when the
-    unpatched step gives nothing to compare with, **refused** when the patch declines the model
-    (``apply_liger_to`` refuses it, or the forward falls back), else **verified** or **failed**.
-    The verdict's ``model_type`` / ``task`` are left for the caller."""
+    ``apply_liger_to``'s ``options``) on ``batch`` and compare: **refused** when the patch
+    declines the model (``apply_liger_to`` refuses it, asked first, or the forward falls back),
+    **unpatched-fails** when the unpatched step gives nothing to compare with, else **verified**
+    or **failed**. The verdict's ``model_type`` / ``task`` are left for the caller."""
     tolerance = tolerance or Tolerance.for_dtype(next(model.parameters()).dtype)
     reference, patched = copy.deepcopy(model).train(), copy.deepcopy(model).train()
-    verdict = Verdict(model_type="", task="", status=UNPATCHED_FAILS, class_name=type(model).__name__)
-    ref_loss, verdict.reason = _reference_step(reference, batch, seed)
-    if ref_loss is None:
-        return verdict
-    verdict.status = REFUSED
+    verdict = Verdict(model_type="", task="", status=REFUSED, class_name=type(model).__name__)
     try:
         apply_liger_to(patched, **(options or {}))
     except UnsupportedModelError as error:
         verdict.reason = str(error)
+        return verdict
+    ref_loss, verdict.reason = _reference_step(reference, batch, seed)
+    if ref_loss is None:
+        verdict.status = UNPATCHED_FAILS
         return verdict
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -270,6 +270,16 @@ def test_an_unpatched_model_failing_on_its_batch_is_not_refused(cls, named):
     assert verdict.status == UNPATCHED_FAILS and named in verdict.reason, verdict
 
 
+def test_a_users_model_the_patch_refuses_is_refused_not_unpatched_fails():
+    """``--model`` asks the patch first, as the sweep does: a class apply_liger_to refuses is
+    refused with its reason, whatever the unpatched step would make of the batch."""
+    torch.manual_seed(0)
+    model = NoLabelsLM(TinyMlpConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
+    ids = torch.randint(0, 64, (2, 8))
+    verdict = verify_model(model, {"input_ids": ids, "labels": ids})
+    assert verdict.status == REFUSED and "takes no labels" in verdict.reason, verdict
+
+
 def test_a_users_own_architecture_patches_with_no_registration():
     torch.manual_seed(0)
     model = TinyMlpForCausalLM(TinyMlpConfig(vocab_size=97, hidden_size=24, num_hidden_layers=2))
