@@ -13,7 +13,6 @@ before one tanh and to ``q`` after it; ``q * tanh(p * x)`` is that with ``c = q`
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 from collections.abc import Callable
@@ -69,7 +68,9 @@ def _scalar(operand: Any, what: str) -> float:
 
 
 def _usable(value: float, what: str) -> float:
-    if value == 0.0 or not math.isfinite(value):
+    # ``value - value == 0`` is False exactly for inf and NaN; unlike math.isfinite it also
+    # traces when torch.compile(dynamic=True) makes the constant a symbolic float.
+    if value == 0.0 or not value - value == 0.0:
         raise UnfusableLogitsUse(
             f"it {what} the logits by {value} (the fused loss takes a finite, non-zero one)"
         )
