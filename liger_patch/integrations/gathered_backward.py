@@ -31,7 +31,6 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["GatheredBackward"]
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Sequence[torch.Tensor | None]]
 Gather = Callable[[torch.Tensor, torch.Tensor | None], AbstractContextManager]
 
