@@ -12,9 +12,14 @@ DFT, DPO's sequence log-probs, GRPO's policy ratio and entropy bonus) and every 
 So that kernel is the one place to take over: :func:`install` puts :class:`FusedLogProbHead`
 in its place. For a call whose model is patched (``apply_liger_to`` or ``LigerPatchCallback``)
 it computes the same five fields with the fused op; for any other model (a reference model left
-unpatched, a model under ZeRO-3) it calls TRL's own kernel, so with no patch TRL behaves
-exactly as it does without liger_patch. The model is the ``self`` of TRL's fused forward, the
-caller's frame (the kernel receives only tensors).
+unpatched) it calls TRL's own kernel, so with no patch TRL behaves exactly as it does without
+liger_patch. The model is the ``self`` of TRL's fused forward, the caller's frame (the kernel
+receives only tensors).
+
+Under DeepSpeed ZeRO-3 TRL calls the kernel inside ``maybe_gather_lm_head_ctx`` (the head
+gathered there if DeepSpeed has not gathered it already), and the head may be an empty
+partition again by the backward: the op then runs through ``gathered_backward.GatheredBackward``,
+which enters TRL's same helper again around the op's backward, as TRL's kernel does in its own.
 
 TRL's head math is kept: logits ``z = softcap(logit_scale * (h W^T + b)) / temperature``, the
 scale and softcap TRL read from the model's config. The patch's options of the loss-math kind
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from liger_patch.integrations.gathered_backward import GatheredBackward
 from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
 from liger_patch.ops.logprobs import temperature_options
 from liger_patch.ops.options import (
@@ -86,7 +92,7 @@ class FusedLogProbHead:
     ) -> tuple[torch.Tensor | None, ...]:
         model = _calling_model(sys._getframe(1))
         state = patch_state(model)
-        reason = _why_trl_kernel(state, weight)
+        reason = _why_trl_kernel(state)
         if reason is not None:
             if state is not None:
                 _note_bypass(state, f"TRL's own log-prob kernel ran because {reason}")
@@ -123,12 +129,32 @@ def fused_log_prob_fields(
         **state.budget_changes(),
     )
     options = build_options(state.options.key, **constant_changes(changes))
-    result = fused_loss(hidden, weight, targets, bias, options=options)
-    loss = result if torch.is_tensor(result) else result.loss
-    entropy = getattr(result, "entropy", None)
-    is_top1 = result.predicted_tokens == targets if want_top1 else None
+
+    def per_token(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+        result = fused_loss(h, w, targets, b, options=options)
+        loss = result if torch.is_tensor(result) else result.loss
+        is_top1 = result.predicted_tokens == targets if want_top1 else None
+        return -loss, getattr(result, "entropy", None), is_top1
+
+    if _backward_needs_gathering(hidden, weight, bias):
+        gather = sys.modules[TRL_MODULE].maybe_gather_lm_head_ctx
+        log_probs, entropy, is_top1 = GatheredBackward.apply(per_token, gather, hidden, weight, bias)
+    else:
+        log_probs, entropy, is_top1 = per_token(hidden, weight, bias)
     log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, options, outputs)
-    return -loss, entropy, log_sum_sq, mean_logits, is_top1
+    return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+
+def _backward_needs_gathering(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a backward will follow on a head that DeepSpeed ZeRO-3 partitions: unless DeepSpeed
+    keeps it gathered, it is whole only inside TRL's ``maybe_gather_lm_head_ctx``, so the op's
+    backward runs inside that helper again (a null context where the head is gathered already)."""
+    tensors = [t for t in (hidden, weight, bias) if t is not None]
+    return (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in tensors)
+        and any(is_zero3_partitioned(t) for t in tensors[1:])
+    )
 
 
 @torch.no_grad()
@@ -179,16 +205,12 @@ def _calling_model(frame: Any) -> nn.Module | None:
     return None
 
 
-def _why_trl_kernel(state: PatchState | None, weight: torch.Tensor) -> str | None:
+def _why_trl_kernel(state: PatchState | None) -> str | None:
     """Why this call must run TRL's own kernel (``None``: the fused op runs it)."""
     if state is None:
         return "the model is not patched"
     if state.unfusable_reason is not None:
         return f"the patch runs the original path ({state.unfusable_reason})"
-    if is_zero3_partitioned(weight):
-        # TRL gathers the head around its forward and again in its own backward; the fused
-        # op's backward would see the partition.
-        return "the head is a DeepSpeed ZeRO-3 partition"
     return None
 
 
