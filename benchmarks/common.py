@@ -239,18 +239,21 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def training_steps(model, vocab: int, seed: int, device: torch.device, args) -> dict:
+def training_steps(
+    model, vocab: int, seed: int, device: torch.device, args, foreach: bool | None = None
+) -> dict:
     """``args.mem_steps`` AdamW steps of an already patched / sharded ``model`` on ``batch_for``
     batches (``seed`` tells data-parallel replicas apart): the losses, the median step time
     (the first step left out), whether the fused path ran, and on CUDA the memory before the
-    steps, the peak allocated and reserved during them, and every rank's peak."""
+    steps, the peak allocated and reserved during them, and every rank's peak. ``foreach``:
+    AdamW's (``False`` for a model whose parameters mix DTensors and plain tensors)."""
     import contextlib
     import statistics
     import time
 
     import torch.distributed as dist
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=foreach)
     times, losses = [], []
     with PeakMemory() if device.type == "cuda" else contextlib.nullcontext() as mem:
         for step in range(args.mem_steps):

@@ -98,6 +98,13 @@ def save_llama(shape: dict, path: Path, dtype: torch.dtype) -> Path:
     return path
 
 
+# A tp_plan="auto" model holds DTensor parameters (the sharded linears) and plain ones (the norms,
+# replicated): AdamW's default foreach path groups them together and fails on GPUs, the unpatched
+# model too ("aten._foreach_lerp_.Scalar: got mixed torch.Tensor and DTensor"). The per-parameter
+# loop takes each parameter alone.
+FOREACH = False
+
+
 def load_tp(path: Path, dtype: torch.dtype, args) -> nn.Module:
     """The checkpoint with transformers' tensor-parallel plan (and FSDP2 with ``--fsdp``)."""
     from transformers import AutoModelForCausalLM
@@ -127,7 +134,7 @@ def parity_run(path: Path, patched: bool, dtype: torch.dtype, device: torch.devi
     model = load_tp(path, dtype, args)
     if patched:
         lp.apply_liger_to(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=FOREACH)
     losses, grads0 = [], {}
     for step in range(args.parity_steps):
         batch = batch_for(step, replica(args), shape["vocab_size"], 4, 32 if args.smoke else 128, device)
@@ -185,7 +192,7 @@ def memory_run(path: Path, patched: bool, checkpointing: bool, device: torch.dev
     if patched:
         lp.apply_liger_to(model)
     result = {"patched": patched, "activation_checkpointing": checkpointing}
-    result.update(training_steps(model, shape["vocab_size"], replica(args), device, args))
+    result.update(training_steps(model, shape["vocab_size"], replica(args), device, args, foreach=FOREACH))
     del model
     return result
 
