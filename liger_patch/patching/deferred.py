@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from liger_patch.patching import logits_ops
 from liger_patch.patching.logits_ops import LogitsOp
 from liger_patch.patching.seam import CapturedCall, LossRequest, UnfusableLogitsUse
+from liger_patch.patching.sharded_head import head_tensor
 
 __all__ = ["DeferredLogits", "replace_deferred"]
 
@@ -118,7 +119,7 @@ class DeferredLogits:
         self.dtype = dtype if dtype is not None else hidden.dtype
         self.device = hidden.device
         self.shape = torch.Size((*hidden.shape[:-1], head.out_features))
-        self.requires_grad = hidden.requires_grad or head.weight.requires_grad
+        self.requires_grad = hidden.requires_grad or head_tensor(head, "weight").requires_grad
 
     def _then(
         self, op: LogitsOp | None = None, *, hidden: torch.Tensor | None = None, dtype=None

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from liger_patch.patching.lazy import lazy_imports
 from liger_patch.patching.registry import ModelSpec, get_submodule_path, missing_path_message
-from liger_patch.patching.sharded_head import is_dtensor, sharded_head_reason
+from liger_patch.patching.sharded_head import head_tensor, is_dtensor, sharded_head_reason
 
 __all__ = ["fusable_head", "head_path", "unfusable_head_message"]
 
@@ -40,7 +40,7 @@ def _is_peft_adapter_layer(module: nn.Module) -> bool:
 
 def _weight_reason(head: nn.Linear, where: str) -> str:
     """Why the head's weight cannot be read as a dense float tensor (``""`` when it can)."""
-    weight = head.weight
+    weight = head_tensor(head, "weight")
     if (
         (type(weight) not in (nn.Parameter, torch.Tensor) and not is_dtensor(weight))
         or not weight.is_floating_point()

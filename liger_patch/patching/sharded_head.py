@@ -54,6 +54,7 @@ __all__ = [
     "HeadShard",
     "ShardedHeadError",
     "fused_head_loss",
+    "head_tensor",
     "head_weight_is_managed",
     "is_dtensor",
     "is_zero3_partitioned",
@@ -109,8 +110,25 @@ def zero3_unavailable(tensor: Any) -> bool:
     return getattr(status, "name", str(status)).rsplit(".", 1)[-1] != "AVAILABLE"
 
 
+def head_tensor(head: nn.Module, name: str) -> Any:
+    """``head.<name>`` (``None`` when it has none), read past any access hook on its parameters.
+
+    Inside the DeepSpeed engine's forward, ZeRO-3's parameter dict answers a read of a parameter
+    that is not gathered by gathering it there and then, synchronously, and registering it as an
+    external parameter of the module running: from then on every forward gathers the whole head
+    at its start and holds it to its end, an all-gather outside DeepSpeed's prefetch plan. The
+    fused path reads the head's tensors before the head's call only for their identity and flags,
+    so it reads the registered entry with ``dict.get``, which no subclass's ``__getitem__``
+    intercepts; the head's own call gathers it as for ``lm_head(hidden)``.
+    """
+    params = vars(head).get("_parameters")
+    if isinstance(params, dict) and name in params:
+        return dict.get(params, name)
+    return getattr(head, name, None)
+
+
 def _head_tensors(head: nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(t for t in (head.weight, getattr(head, "bias", None)) if t is not None)
+    return tuple(t for t in (head_tensor(head, "weight"), head_tensor(head, "bias")) if t is not None)
 
 
 def head_weight_is_managed(head: nn.Module) -> bool:
@@ -149,7 +167,7 @@ def _vocab_mesh_dim(tensor: Any) -> int | None:
 def vocab_shard_problem(head: nn.Module) -> str:
     """Why the head's DTensor weight (and bias) is not a vocabulary shard the fused loss can use,
     ``""`` when it is one (or is not a DTensor)."""
-    weight, bias = head.weight, getattr(head, "bias", None)
+    weight, bias = head_tensor(head, "weight"), head_tensor(head, "bias")
     if not is_dtensor(weight):
         return f"its head bias is a DTensor (placements {tuple(bias.placements)})" if is_dtensor(bias) else ""
     dim = _vocab_mesh_dim(weight)
@@ -173,7 +191,7 @@ def vocab_shard(head: nn.Module) -> HeadShard | None:
     group, the last ranks hold fewer rows), the group from the mesh dimension that shards it.
     Raises :class:`ShardedHeadError` for a DTensor sharded in any other way.
     """
-    if not (is_dtensor(head.weight) or is_dtensor(getattr(head, "bias", None))):
+    if not (is_dtensor(head_tensor(head, "weight")) or is_dtensor(head_tensor(head, "bias"))):
         return None
     problem = vocab_shard_problem(head)
     if problem:

@@ -156,6 +156,12 @@ def report(engine, module, *, losses, grad_norms, seen_labels, head_numel_built)
         "head_ds_status": str(getattr(weight, "ds_status", None)),
         "fused_ran": None if state is None else state.fused_ran,
         "seen_labels": seen_labels,
+        # parameters DeepSpeed had to gather because a module read them outside their owner's call
+        "external_params": {
+            name: sorted(n for n, p in module.named_parameters() if id(p) in m._external_params)
+            for name, m in module.named_modules()
+            if getattr(m, "_external_params", None)
+        },
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rank_info)

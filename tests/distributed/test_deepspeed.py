@@ -63,6 +63,16 @@ def test_zero3_runs_the_fused_op_on_a_partitioned_head(results, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_zero3_patched_forward_reads_no_head_outside_its_call(results, variant):
+    """The fused path reads the head's tensors before the head's call (their flags), where a read
+    through ZeRO-3's parameter dict would gather the head synchronously and register it as an
+    external parameter of the model (gathered at every later forward's start): it must not."""
+    for patch in ("unpatched", "patched"):
+        for rank, info in enumerate(results[f"{variant}_{patch}"]["ranks"]):
+            assert info["external_params"] == {}, f"{patch}, rank {rank}: {info['external_params']}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_zero3_rank_with_every_label_ignored(results, variant):
     """Rank 1's first micro-batch trains no label: its loss is an exact zero (no NaN), and the
     ranks still meet in every collective (no hang): the losses above match unpatched."""
