@@ -12,8 +12,7 @@ gloo and tiny shapes (no memory figures), a check that the script itself works.
 
 Part 1, parity: a tiny Llama (vocab 4098, hidden 256, 2 layers; transformers 5.17 refuses a
 vocabulary the tensor-parallel size does not divide, so shards of unequal size are left to the CPU
-tests)
-saved once and loaded on every rank with ``DistributedConfig(tp_plan="auto")``, 5 AdamW steps on
+tests), saved once and loaded on every rank with ``DistributedConfig(tp_plan="auto")``, 5 AdamW steps on
 the same batches: unpatched and patched with bf16 weights, and unpatched with fp32 weights as the
 reference. Reported: per-step losses, the step-0 gradients (relative L2 error per parameter,
 gathered from the shards; the worst parameter) and the final parameters.
