@@ -12,8 +12,10 @@ timed through cuBLAS in the same run. Every implementation is timed with
     python benchmarks/flce.py --grid --points 0:17 ...   # a slice of it (rows in grid order)
 
 ``--grid`` runs the points of ``benchmarks/grid.py`` (bf16, softcap and AMP points; logits with a
-standard deviation of 3 and 20 % of the labels ignored) with the implementations of
-``GRID_IMPLS``. Shapes, inputs, timing and the memory measure come from ``benchmarks/common.py``.
+standard deviation of 3), each with 20 % of the labels ignored and with none, with the
+implementations of ``GRID_IMPLS``; ``torch_linear_ce`` is PyTorch's own chunked op (torch >= 2.13;
+on an older torch, and at softcap points, its cell says why it did not run). Shapes, inputs,
+timing and the memory measure come from ``benchmarks/common.py``.
 Peers (liger-kernel, cut-cross-entropy) are used when importable.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -38,7 +41,7 @@ from common import (
     time_floor,
     write_json,
 )
-from grid import GRID, GRID_INPUTS, GridPoint
+from grid import GRID, GRID_IGNORE_FRACS, GRID_INPUTS, GridPoint
 
 
 def _softcapped(logits, softcap):
@@ -114,6 +117,17 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
 
 
+def torch_linear_ce(hidden, weight, labels, softcap=None):
+    """PyTorch's own ``F.linear_cross_entropy`` with its chunked path
+    (``options=nn.LinearCrossEntropyOptions()``, torch >= 2.13), the op users will compare first."""
+    if not hasattr(F, "linear_cross_entropy"):
+        raise NotImplementedError(f"torch {torch.__version__} has no F.linear_cross_entropy (2.13+)")
+    if softcap is not None:
+        raise NotImplementedError("F.linear_cross_entropy has no softcap")
+    options = torch.nn.LinearCrossEntropyOptions()
+    return F.linear_cross_entropy(hidden, weight, labels, ignore_index=-100, options=options)
+
+
 def liger_kernel(hidden, weight, labels, softcap=None):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -136,10 +150,19 @@ IMPLS: dict[str, Callable] = {
     "ours_lean": ours_lean,
     "torch_eager": torch_eager,
     "torch_compile": torch_compile,
+    "torch_linear_ce": torch_linear_ce,
     "liger_kernel": liger_kernel,
     "cut_cross_entropy": cut_cross_entropy,
 }
-GRID_IMPLS = ("ours", "ours_balanced", "ours_lean", "torch_compile", "liger_kernel", "cut_cross_entropy")
+GRID_IMPLS = (
+    "ours",
+    "ours_balanced",
+    "ours_lean",
+    "torch_compile",
+    "torch_linear_ce",
+    "liger_kernel",
+    "cut_cross_entropy",
+)
 
 
 def check_against_fp64(fn, n: int, h: int, v: int) -> float:
@@ -248,12 +271,15 @@ def markdown(rows: list[dict]) -> str:
         shape = f"{r['N']}, {r['H']}, {r['V']}"
         shape += ", softcap" if r.get("softcap") else ""
         shape += ", AMP" if r.get("amp") else ""
+        shape += f", {r.get('ignore_frac', 0):.0%} ignored"
         lines.append(f"| {shape} | {r['floor_ms']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def select_points(args) -> tuple[list[GridPoint], float, float]:
-    """The points to run, with their input spread and ignored fraction."""
+def select_points(args) -> tuple[list[GridPoint], float, tuple[float, ...]]:
+    """The points to run, with their input spread and the shares of ignored labels to run each at
+    (``--ignore-frac``, a comma list; the grid's default: ``GRID_IGNORE_FRACS``)."""
+    fracs = None if args.ignore_frac is None else tuple(float(f) for f in args.ignore_frac.split(","))
     if args.grid:
         points = list(GRID)
         if args.points and ":" in args.points:
@@ -261,10 +287,9 @@ def select_points(args) -> tuple[list[GridPoint], float, float]:
             points = points[int(lo or 0) : int(hi) if hi else None]
         elif args.points:
             points = [points[int(i)] for i in args.points.split(",")]
-        ignore_frac = GRID_INPUTS["ignore_frac"] if args.ignore_frac is None else args.ignore_frac
-        return points, GRID_INPUTS["logit_std"], ignore_frac
+        return points, GRID_INPUTS["logit_std"], fracs or GRID_IGNORE_FRACS
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    return [GridPoint("headline", *SHAPES[name]) for name in names], 1.0, args.ignore_frac or 0.0
+    return [GridPoint("headline", *SHAPES[name]) for name in names], 1.0, fracs or (0.0,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list or 'all' (default: ours,torch_eager; grid: " + ",".join(GRID_IMPLS) + ")",
     )
     parser.add_argument(
-        "--ignore-frac", type=float, default=None, help="share of labels set to -100 (default 0; grid: 0.2)"
+        "--ignore-frac",
+        default=None,
+        help="shares of labels set to -100, a comma list (default 0; grid: "
+        + ",".join(map(str, GRID_IGNORE_FRACS))
+        + ", every point at each)",
     )
     parser.add_argument("--rep-ms", type=int, default=2000, help="do_bench repetition time per impl")
     parser.add_argument(
@@ -290,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not need_cuda("benchmarks/flce.py"):
         return 2
-    points, logit_std, ignore_frac = select_points(args)
+    points, logit_std, ignore_fracs = select_points(args)
     default_impls = ",".join(GRID_IMPLS) if args.grid else "ours,torch_eager"
     impls = list(IMPLS) if args.impls == "all" else (args.impls or default_impls).split(",")
 
@@ -301,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         "fp64_check": {impl: _fp64_check(impl) for impl in impls},
         "rows": [],
     }
-    for point in points:  # results are written after every point, so a cut-off run keeps them
+    # results are written after every point, so a cut-off run keeps them
+    for point, ignore_frac in itertools.product(points, ignore_fracs):
         result["rows"].append(bench_point(point, impls, ignore_frac, args.rep_ms, logit_std, args.rounds))
         table = markdown(result["rows"])
         print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)

@@ -4,8 +4,8 @@ Each point is the output head of a released model family (hidden size H, vocabul
 softcap where the model has one) at a token count N per step from 2k to 32k. ``amp`` points
 hold the weight and hidden states in fp32 under ``torch.autocast(bf16)``, which is what the HF
 Trainer's ``bf16=True`` does with an fp32 model; the others are bf16 throughout. Inputs follow
-a trained model: logits with a standard deviation of about 3, 20 % of the labels ignored
-(``GRID_INPUTS``).
+a trained model: logits with a standard deviation of about 3 (``GRID_INPUTS``); each point runs
+with 20 % of the labels ignored and with none (``GRID_IGNORE_FRACS``, the row's ``ignore_frac``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GRID_INPUTS = dict(logit_std=3.0, ignore_frac=0.2)
+# Every point is run at each of these shares of ignored labels: 20 % (fine-tuning with prompts
+# masked) and none (packed pretraining, where nothing can be skipped).
+GRID_IGNORE_FRACS = (0.2, 0.0)
 
 
 @dataclass(frozen=True)
