@@ -301,6 +301,23 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.precomputed = _precompute(opts, hidden.dtype, needs)
     ctx.pre = (grad_h, grad_w, grad_b) if ctx.precomputed else None
     ctx.options, ctx.needs = options, needs
+    ctx.head_shapes = (weight.shape, None if bias is None else bias.shape)
+
+
+def _check_head_whole(ctx, weight: Tensor, bias: Tensor | None) -> None:
+    """Raise when the weight (or bias) the backward must recompute from is no longer what the
+    forward saw: a sharding wrapper freed or resharded it in between (DeepSpeed ZeRO-3 empties a
+    parameter's data once its module's call ends), which would otherwise fail deep in a kernel."""
+    now = (weight.shape, None if bias is None else bias.shape)
+    if now != ctx.head_shapes:
+        shapes = ", ".join(str(None if s is None else tuple(s)) for s in ctx.head_shapes)
+        raise RuntimeError(
+            f"liger_patch: the backward recomputes from the weight and bias the forward saved, of shapes "
+            f"({shapes}) then and ({', '.join(str(None if s is None else tuple(s)) for s in now)}) now: "
+            "something freed or resharded them after the forward (DeepSpeed ZeRO-3 empties a parameter "
+            "once its module's call ends). Run the backward where they are whole again (for ZeRO-3, call "
+            "the op inside the head module's own call, or re-gather them for the backward)."
+        )
 
 
 def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
@@ -319,6 +336,7 @@ def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
         torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), ctx.options)
         return (*grads, *_NO_INPUT_GRADS)
 
+    _check_head_whole(ctx, weight, bias)
     zero = torch.zeros((), dtype=_F32, device=hidden.device)
     g_loss = zero if grad_loss is None else grad_loss.float()
     g_z = zero if grad_z is None else grad_z.float()
@@ -354,6 +372,7 @@ def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
     """
     hidden, weight, bias, labels, class_weight, _, row_weight, token_scale, _ = ctx.saved_tensors
     opts = LossOptions.from_key(ctx.options)
+    _check_head_whole(ctx, weight, bias)
     # Fresh views: when one input is a view of another (hidden = weight[:N]), autograd.grad with
     # respect to the inputs themselves would count the path through the other one twice.
     hidden, weight, bias = (None if t is None else t.view_as(t) for t in (hidden, weight, bias))

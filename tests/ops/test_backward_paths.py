@@ -42,3 +42,22 @@ def test_fp16_gradients_scaled_like_gradscaler_do_not_underflow(gen, device, chu
         nonzero = (expected / scale).abs()[expected != 0]
         assert float(nonzero.median()) < 6e-8
         assert_close(f"grad {name}", got, expected, TOL[torch.float16])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recompute_refuses_a_weight_freed_after_the_forward(gen, device, backend):
+    """A sharding wrapper may empty the weight between forward and backward (DeepSpeed ZeRO-3's
+    ``param.data = torch.empty(0)``): the recompute path says so instead of failing in a kernel.
+    The precomputed path never reads the weight again (checked with the weight whole once more:
+    PyTorch itself refuses to accumulate a gradient into an emptied parameter)."""
+    case = make_case(gen, (7,), 8, 29, device=device, bias=True)
+    weight, bias = case.tensors()["weight"], case.tensors()["bias"]
+    rows = call_op(case, backend=backend, reduction="none")  # recomputes in the backward
+    mean = call_op(case, backend=backend)  # precomputed in the forward
+    whole = weight.data
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    with pytest.raises(RuntimeError, match=r"the forward saved, of shapes \(\(29, 8\), \(29,\)\) then"):
+        rows.sum().backward()
+    weight.data = whole
+    mean.backward()
+    assert weight.grad is not None and weight.grad.shape == whole.shape and bias.grad.shape == (29,)
