@@ -64,13 +64,11 @@ class OrderedRows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
-def _trainer_class():
-    from transformers import Trainer
+def in_order_trainer(base: type) -> type:
+    """``base`` (transformers' Trainer, TRL's SFTTrainer) dealing batches in order (rank r gets
+    batches r, r + 2, ...) and recording each micro-batch's count of trained labels on this rank."""
 
-    class InOrderTrainer(Trainer):
-        """Deals batches in order (rank r gets batches r, r + 2, ...), and records each
-        micro-batch's count of trained labels on this rank."""
-
+    class InOrderTrainer(base):
         seen_labels: list[int]
 
         def _get_train_sampler(self, *args, **kwargs):
@@ -95,7 +93,7 @@ def _model():
 
 def train(variant: str, patched: bool, out_dir: Path) -> dict:
     import deepspeed
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     import liger_patch as lp
 
@@ -125,7 +123,8 @@ def train(variant: str, patched: bool, out_dir: Path) -> dict:
         model = _model()  # under zero.Init: the arguments above made transformers aware of ZeRO-3
     head_numel_built = model.lm_head.weight.numel()
     callbacks = [lp.LigerPatchCallback()] if patched else []
-    trainer = _trainer_class()(model=model, args=args, train_dataset=OrderedRows(), callbacks=callbacks)
+    trainer_class = in_order_trainer(Trainer)
+    trainer = trainer_class(model=model, args=args, train_dataset=OrderedRows(), callbacks=callbacks)
     trainer.seen_labels = []
     trainer.train()
     logged = [e for e in trainer.state.log_history if "loss" in e]

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.deepspeed_workers import DS_CONFIG
+from tests.distributed.deepspeed_workers import DS_CONFIG, in_order_trainer
 from tests.distributed.workers import IGNORE, LR, leave_rank
 from tests.patching_helpers import TINY_CONFIG, VOCAB
 
@@ -143,28 +143,9 @@ def callbacks(head: str, patched: bool) -> list:
     return found + ([LeaveHeadToTRL()] if head == "frozen_left_to_trl" else [])
 
 
-def trainer_class():
-    from trl import SFTTrainer
-
-    class InOrderSFTTrainer(SFTTrainer):
-        """Deals batches in order (rank r gets batches r, r + 2, ...) and records each
-        micro-batch's count of trained labels on this rank."""
-
-        seen_labels: list[int]
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, model, inputs, *args, **kwargs):
-            self.seen_labels.append(int((inputs["labels"][:, 1:] != IGNORE).sum()))
-            return super().compute_loss(model, inputs, *args, **kwargs)
-
-    return InOrderSFTTrainer
-
-
 def train(model, run: str, out_dir: Path, records: Records) -> dict:
     from tiny_trl import tiny_tokenizer
-    from trl import SFTConfig
+    from trl import SFTConfig, SFTTrainer
 
     head, patch = run.rsplit("_", 1)
     args = SFTConfig(
@@ -187,7 +168,7 @@ def train(model, run: str, out_dir: Path, records: Records) -> dict:
         dataset_kwargs={"skip_prepare_dataset": True},
         deepspeed=DS_CONFIG,
     )
-    trainer = trainer_class()(
+    trainer = in_order_trainer(SFTTrainer)(
         model=model,
         args=args,
         train_dataset=rows(),

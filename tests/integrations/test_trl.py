@@ -51,20 +51,6 @@ OPTIMIZER = dict(optim="sgd", learning_rate=0.05)
 CALLBACK = dict(backend="torch")
 
 
-@pytest.fixture
-def op_calls(monkeypatch):
-    """How many times the fused op computed TRL's log-prob fields."""
-    calls = []
-    original = trl_head.fused_log_prob_fields
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(trl_head, "fused_log_prob_fields", counted)
-    return calls
-
-
 def _common(tmp_path, **overrides):
     base = dict(
         output_dir=str(tmp_path),

@@ -15,7 +15,6 @@ import torch
 trl = pytest.importorskip("trl")
 
 from liger_patch import apply_liger_to  # noqa: E402
-from liger_patch.integrations import trl as trl_head  # noqa: E402
 from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 from tests.integrations.fake_zero3 import FakeZero3  # noqa: E402
 
@@ -26,20 +25,6 @@ if not hasattr(trl.trainer.utils, "add_fused_lm_head"):
     pytest.skip("this TRL has no fused LM head (before 1.15)", allow_module_level=True)
 
 OUTPUTS = ("entropy", "is_top1")
-
-
-@pytest.fixture
-def op_calls(monkeypatch):
-    """How many times the fused op computed TRL's log-prob fields."""
-    calls = []
-    original = trl_head.fused_log_prob_fields
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(trl_head, "fused_log_prob_fields", counted)
-    return calls
 
 
 @pytest.fixture
