@@ -301,19 +301,22 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.precomputed = _precompute(opts, hidden.dtype, needs)
     ctx.pre = (grad_h, grad_w, grad_b) if ctx.precomputed else None
     ctx.options, ctx.needs = options, needs
-    ctx.head_shapes = (weight.shape, None if bias is None else bias.shape)
+    ctx.head_shapes = _shapes(weight, bias)
+
+
+def _shapes(weight: Tensor, bias: Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    return tuple(weight.shape), None if bias is None else tuple(bias.shape)
 
 
 def _check_head_whole(ctx, weight: Tensor, bias: Tensor | None) -> None:
     """Raise when the weight (or bias) the backward must recompute from is no longer what the
     forward saw: a sharding wrapper freed or resharded it in between (DeepSpeed ZeRO-3 empties a
     parameter's data once its module's call ends), which would otherwise fail deep in a kernel."""
-    now = (weight.shape, None if bias is None else bias.shape)
+    now = _shapes(weight, bias)
     if now != ctx.head_shapes:
-        shapes = ", ".join(str(None if s is None else tuple(s)) for s in ctx.head_shapes)
         raise RuntimeError(
             f"liger_patch: the backward recomputes from the weight and bias the forward saved, of shapes "
-            f"({shapes}) then and ({', '.join(str(None if s is None else tuple(s)) for s in now)}) now: "
+            f"{ctx.head_shapes} then and {now} now: "
             "something freed or resharded them after the forward (DeepSpeed ZeRO-3 empties a parameter "
             "once its module's call ends). Run the backward where they are whole again (for ZeRO-3, call "
             "the op inside the head module's own call, or re-gather them for the backward)."
