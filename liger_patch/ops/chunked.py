@@ -49,8 +49,8 @@ class ChunkResult:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """The token rows of one chunk: ``[start, stop)`` of the rows the pass walks, which are the
-    tensors' own rows, or with ``index`` the rows that ``index[start:stop]`` lists."""
+    """Rows ``[start, stop)`` of the rows the token pass walks: the tensors' own rows, or with
+    ``index`` the rows that ``index[start:stop]`` lists."""
 
     start: int
     stop: int
@@ -60,23 +60,48 @@ class _Chunk:
         """The chunk's rows of a whole-length tensor: a view, or a gathered copy."""
         return t[self.start : self.stop] if self.index is None else t.index_select(0, self.index)
 
-    def put(self, dst: torch.Tensor, values: torch.Tensor) -> None:
-        """Write the chunk's rows of the whole-length ``dst``."""
-        if self.index is None:
-            dst[self.start : self.stop] = values
-        else:
-            dst.index_copy_(0, self.index, values.to(dst.dtype))
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows of a tensor with one row per walked row (a view)."""
+        return t[self.start : self.stop]
+
+
+def _walked(t: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s walked rows: itself, or its ``index`` rows gathered once for the whole pass."""
+    return t if t is None or index is None else t.index_select(0, index)
 
 
 @dataclass(frozen=True)
 class _RowRecords:
-    """The row kernel's extra records of one call (``row_io``), whole-length, and ``index``: the
-    rows the token pass walks (``run_chunks``'s ``row_index``), ``None`` for every row."""
+    """The row kernel's extra records of one call (``row_io``), with one row per walked row, and
+    ``index``: the rows the token pass walks (``run_chunks``'s ``row_index``), ``None`` for every
+    row. With ``index`` the per-row records are gathered once (``entropy_grad``) or written into
+    walked-length buffers (``outputs``) that :meth:`finish` scatters into the caller's
+    whole-length ``scatter_to``: a few launches per call instead of per chunk."""
 
     class_weight: ClassWeight | None
     outputs: RowOutputs | None
     entropy_grad: EntropyGrad | None
     index: torch.Tensor | None = None
+    scatter_to: RowOutputs | None = None
+
+    @classmethod
+    def walking(
+        cls,
+        class_weight: ClassWeight | None,
+        outputs: RowOutputs | None,
+        entropy_grad: EntropyGrad | None,
+        index: torch.Tensor | None,
+    ) -> _RowRecords:
+        if index is None:
+            return cls(class_weight, outputs if outputs is not None and outputs.any() else None, entropy_grad)
+        walked_outputs = None
+        if outputs is not None and outputs.any():
+            n = index.shape[0]
+            walked_outputs = RowOutputs(*(None if t is None else t.new_empty(n) for t in outputs.tensors()))
+        grad = None
+        if entropy_grad is not None:
+            grad = EntropyGrad(_walked(entropy_grad.coef, index), _walked(entropy_grad.entropy, index))
+        return cls(class_weight, walked_outputs, grad, index, outputs if walked_outputs is not None else None)
 
     def chunks(self, n_rows: int, chunk_rows: int) -> Iterator[_Chunk]:
         """The token pass's chunks of ``chunk_rows`` rows: of all ``n_rows``, or of ``index``."""
@@ -85,35 +110,27 @@ class _RowRecords:
             stop = min(start + chunk_rows, total)
             yield _Chunk(start, stop, None if self.index is None else self.index[start:stop])
 
-    def for_chunk(self, chunk: _Chunk) -> tuple[dict, RowOutputs | None]:
-        """Keyword arguments of the row kernel for ``chunk``, and the outputs it writes when they
-        are gathered rows that :meth:`put_outputs` must scatter back (else ``None``)."""
-        out, gathered = {}, None
+    def for_chunk(self, chunk: _Chunk) -> dict:
+        """Keyword arguments of the row kernel for ``chunk`` (views of the walked records)."""
+        out = {}
         if self.class_weight is not None:
             out["class_weight"] = self.class_weight
-        if self.outputs is not None and self.outputs.any():
-            if chunk.index is None:
-                out["outputs"] = self.outputs.rows(chunk.start, chunk.stop)
-            else:
-                gathered = RowOutputs(*(None if t is None else chunk.take(t) for t in self.outputs.tensors()))
-                out["outputs"] = gathered
+        if self.outputs is not None:
+            out["outputs"] = self.outputs.rows(chunk.start, chunk.stop)
         if self.entropy_grad is not None:
             grad = self.entropy_grad
-            out["entropy_grad"] = EntropyGrad(chunk.take(grad.coef), chunk.take(grad.entropy))
-        return out, gathered
+            out["entropy_grad"] = EntropyGrad(chunk.rows(grad.coef), chunk.rows(grad.entropy))
+        return out
 
-    def put_outputs(self, chunk: _Chunk, gathered: RowOutputs | None) -> None:
-        if gathered is not None:
-            for dst, values in zip(self.outputs.tensors(), gathered.tensors(), strict=True):
-                if dst is not None:
-                    chunk.put(dst, values)
-
-    def fill_skipped(self) -> None:
-        """Give every output row the value of an ignored row (row_io), before a pass that skips rows."""
-        if self.outputs is not None:
-            for t in self.outputs.tensors():
-                if t is not None:
-                    t.fill_(-1 if t is self.outputs.argmax else 0)
+    def finish(self) -> None:
+        """Write the walked outputs into the caller's; the rows not walked get an ignored row's
+        value (row_io: 0, -1 for argmax)."""
+        if self.scatter_to is None:
+            return
+        for dst, values in zip(self.scatter_to.tensors(), self.outputs.tensors(), strict=True):
+            if dst is not None:
+                dst.fill_(-1 if dst is self.scatter_to.argmax else 0)
+                dst.index_copy_(0, self.index, values.to(dst.dtype))
 
 
 def _plan(
@@ -166,7 +183,8 @@ class _PassState:
     weight as the GEMMs read it (``weight_operand``), ``b`` the fp32 bias, ``res`` the results the
     passes fill, and ``grad_sum`` where the token chunks sum grad_W when not in ``res.grad_weight``
     itself. ``token_grads``: whether the token chunks compute gradients (their row kernel writes
-    d(loss)/d(logits) and grad_h follows)."""
+    d(loss)/d(logits) and grad_h follows). ``labels``, ``coef_ce``, ``coef_z`` and ``lse_in`` have
+    one row per walked row (``rows.index``'s rows, gathered once, when the pass skips rows)."""
 
     backend: Backend
     fused: Backend | None
@@ -188,7 +206,7 @@ class _PassState:
     def per_row(self, chunk: _Chunk) -> dict:
         """The row kernel's per-row coefficients and given log-sum-exp for ``chunk``'s rows."""
         return {
-            name: None if t is None else chunk.take(t)
+            name: None if t is None else chunk.rows(t)
             for name, t in (("coef_ce", self.coef_ce), ("coef_z", self.coef_z), ("lse_in", self.lse_in))
         }
 
@@ -196,9 +214,9 @@ class _PassState:
 def _new_result(
     hidden: torch.Tensor, vocab: int, losses: bool, grad_hidden: bool, grad_bias: bool, skips_rows: bool
 ) -> ChunkResult:
-    """The result's buffers: ce and lse (``losses``), grad_h, and grad_b's fp32 sum; grad_W is
-    ``grad_weight_buffers``'. Where the token pass skips rows (``skips_rows``) they must read as
-    ignored ones, so the per-row buffers start as zeros."""
+    """The result's buffers: ce and lse (``losses``; ``_set_losses`` fills them), grad_h, and
+    grad_b's fp32 sum; grad_W is ``grad_weight_buffers``'. Where the token pass skips rows
+    (``skips_rows``) they must read as ignored ones, so the per-row buffers start as zeros."""
     new = torch.zeros if skips_rows else torch.empty
     n_rows, device = hidden.shape[0], hidden.device
     res = ChunkResult(None, None, None, None, None)
@@ -274,9 +292,7 @@ def run_chunks(
         weighted_smoothing,
         row_index,
     )
-    rows = _RowRecords(class_weight, outputs, entropy_grad, row_index)
-    if row_index is not None:
-        rows.fill_skipped()
+    rows = _RowRecords.walking(class_weight, outputs, entropy_grad, row_index)
     res = _new_result(
         hidden,
         weight.shape[0],
@@ -298,10 +314,10 @@ def run_chunks(
         hidden=hidden,
         w=weight_operand(weight, hidden.dtype, gemm_dtype_for(hidden), copy_home),
         b=None if bias is None else bias.float().contiguous(),  # the fused GEMM reads it by column
-        labels=labels,
-        coef_ce=coef_ce,
-        coef_z=coef_z,
-        lse_in=lse_in,
+        labels=_walked(labels, row_index),
+        coef_ce=_walked(coef_ce, row_index),
+        coef_z=_walked(coef_z, row_index),
+        lse_in=_walked(lse_in, row_index),
         rows=rows,
         res=res,
         grad_sum=grad_sum,
@@ -310,6 +326,7 @@ def run_chunks(
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
     if lse_in is None or state.token_grads:
         _token_pass(state)
+    rows.finish()
     if plan.two_pass:
         _vocab_pass(state)
 
@@ -333,30 +350,41 @@ def _token_pass(state: _PassState) -> None:
     free until pass B writes it (its first half, when the weight's copy fills the second)."""
     res, w = state.res, state.w
     scratch = res.grad_weight if state.plan.logits_in_grad_weight else None
+    ces, lses = [], []
     for chunk in state.rows.chunks(state.hidden.shape[0], state.plan.rows):
         h = chunk.take(state.hidden).to(w.dtype)
         out = None if scratch is None else buffer_in(scratch, h.shape[0], w.shape[0], state.logits_dtype)
         logits, partials = chunk_logits(h, w, state.b, state.opts, state.logits_dtype, out, state.fused)
         g = grad_view(logits, w.dtype) if state.token_grads else None
-        records, gathered = state.rows.for_chunk(chunk)
         ce_c, lse_c = state.backend.row_kernel(
             logits,
-            chunk.take(state.labels),
+            chunk.rows(state.labels),
             state.opts,
             grad=g,
             **state.per_row(chunk),
-            **records,
+            **state.rows.for_chunk(chunk),
             **({} if partials is None else {"partials": partials}),
         )
         del partials  # now, not when the next chunk's are already allocated
-        state.rows.put_outputs(chunk, gathered)
-        if res.ce is not None:
-            chunk.put(res.ce, ce_c)
-            chunk.put(res.lse, lse_c)
+        ces.append(ce_c)
+        lses.append(lse_c)
         if g is None:
             continue
         _token_chunk_grads(state, chunk, h, g)
         del logits, g
+    if res.ce is not None and ces:
+        _set_losses(res, ces, lses, state.rows.index)
+
+
+def _set_losses(res: ChunkResult, ces: list, lses: list, index: torch.Tensor | None) -> None:
+    """The token chunks' ce and lse into the result: one copy (or scatter of the walked rows)
+    per call rather than one per chunk, and none for a single chunk of every row."""
+    for name, parts in (("ce", ces), ("lse", lses)):
+        walked = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if index is not None:
+            getattr(res, name).index_copy_(0, index, walked)
+        else:
+            setattr(res, name, walked)
 
 
 def _token_chunk_grads(state: _PassState, chunk: _Chunk, h: torch.Tensor, g: torch.Tensor) -> None:
@@ -367,7 +395,7 @@ def _token_chunk_grads(state: _PassState, chunk: _Chunk, h: torch.Tensor, g: tor
         if chunk.index is None:
             mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
         else:
-            chunk.put(res.grad_hidden, g @ w)
+            res.grad_hidden.index_copy_(0, chunk.index, (g @ w).to(res.grad_hidden.dtype))
     if state.plan.two_pass:
         return
     grad_weight = res.grad_weight if state.grad_sum is None else state.grad_sum
