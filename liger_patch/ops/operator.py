@@ -137,9 +137,13 @@ def flce(
             outputs=outputs,
             row_index=kept_rows,
         )
-    z_rows = z_loss_rows(res.lse, opts, outputs.token_scale)  # the kernels scaled ce already
-    loss = reduce_rows(res.ce + z_rows, opts.reduction, divisor)
-    z_loss = reduce_rows(z_rows, opts.reduction, divisor)
+    if opts.z_loss_scale == 0.0:  # the common case: no z-loss rows to make and add (launches)
+        loss = reduce_rows(res.ce, opts.reduction, divisor)
+        z_loss = torch.zeros_like(loss)
+    else:
+        z_rows = z_loss_rows(res.lse, opts, outputs.token_scale)  # the kernels scaled ce already
+        loss = reduce_rows(res.ce + z_rows, opts.reduction, divisor)
+        z_loss = reduce_rows(z_rows, opts.reduction, divisor)
     if poison is not None:
         loss, z_loss = loss * poison, z_loss * poison
 

@@ -216,10 +216,10 @@ def sharded_head_reason(model: nn.Module, head: nn.Module) -> str:
     inside it is checked there). Outside FSDP2, a DTensor head is a tensor-parallel one: fine when
     it is sharded over the vocabulary (:func:`vocab_shard_problem`).
     """
-    if _under_fsdp2(model):
+    problem = vocab_shard_problem(head)  # "" for a plain head: no walk over the model's modules
+    if not problem or _under_fsdp2(model):
         return ""
-    problem = vocab_shard_problem(head)
-    return f"{problem}; the original sharded head runs" if problem else ""
+    return f"{problem}; the original sharded head runs"
 
 
 def _check_gathered(head: nn.Module) -> None:

@@ -206,6 +206,7 @@ def logits_with_partials(
         programs = torch.cuda.get_device_properties(h.device).multi_processor_count
     programs = min(programs, n_tiles)
     descriptor = _tensor_descriptor()
+    round_nearest = interpret and out.dtype == torch.bfloat16
     jitted(_logits_lse_kernel)[(programs,)](
         descriptor.from_tensor(h, [bm, bk]),
         descriptor.from_tensor(w, [bn, bk]),
@@ -223,14 +224,15 @@ def logits_with_partials(
         HAS_SCALE=opts.logit_scale is not None,
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=smoothing,
-        ROUND_BF16_NEAREST=interpret and out.dtype == torch.bfloat16,
-        ROUND_FN=jitted(round_bf16_nearest),
+        ROUND_BF16_NEAREST=round_nearest,
+        # Jitted functions as constexprs cost host time at every launch: passed only when used.
+        ROUND_FN=jitted(round_bf16_nearest) if round_nearest else None,
         BM=bm,
         BN=bn,
         BK=bk,
         GROUP_M=_GROUP_M,
         PROGRAMS=programs,
-        SOFTCAP_FN=jitted(softcap),
+        SOFTCAP_FN=jitted(softcap) if opts.softcap is not None else None,
         num_stages=stages,
         num_warps=warps,
     )

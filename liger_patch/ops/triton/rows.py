@@ -377,7 +377,8 @@ def ce_rows_triton(
         REVERSE_PASS2=opts.tuning.reverse_pass2 and not grad_aliases_wider,
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
-        SOFTCAP_FN=jitted(softcap),
+        # A jitted function as a constexpr costs host time at every launch: passed only when used.
+        SOFTCAP_FN=jitted(softcap) if opts.softcap is not None else None,
         num_warps=warps,
     )
     if outputs is not None:

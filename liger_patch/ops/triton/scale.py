@@ -44,12 +44,14 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         if n == 0:
             continue
         block = 64 if interpret else _BLOCK
+        round_nearest = interpret and t.dtype == torch.bfloat16
         jitted(_scale_kernel)[(triton.cdiv(n, block),)](
             t,
             scale,
             n,
             BLOCK=block,
-            ROUND_BF16_NEAREST=interpret and t.dtype == torch.bfloat16,
-            ROUND_FN=jitted(round_bf16_nearest),
+            ROUND_BF16_NEAREST=round_nearest,
+            # A jitted function as a constexpr costs host time at every launch: passed only when used.
+            ROUND_FN=jitted(round_bf16_nearest) if round_nearest else None,
             num_warps=8,
         )
