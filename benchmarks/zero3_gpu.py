@@ -102,7 +102,8 @@ def llama(row: dict, vocab: int):
 def rows_for(world: int, vocab: int, batch: int, seq: int, steps: int, repeats: int) -> list[dict]:
     """The training rows in the order the ranks take them (accelerate deals micro-batch ``i`` of
     the list to rank ``i % world``): ``steps`` steps of random ids, the first quarter of each row
-    ignored, rank 1's first micro-batch all ignored; the same on every rank, ``repeats`` times."""
+    ignored, rank 1's micro-batch of each segment's second step all ignored (the first step of a
+    segment is not timed or compared); the same on every rank, ``repeats`` times."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
@@ -111,7 +112,7 @@ def rows_for(world: int, vocab: int, batch: int, seq: int, steps: int, repeats: 
         ids = torch.randint(0, vocab, (seq,), generator=gen)
         labels = ids.clone()
         labels[: seq // 4] = -100
-        if i // batch == 1:
+        if i // batch == world + 1:
             labels[:] = -100
         once.append({"input_ids": ids, "labels": labels})
     return once * repeats
@@ -344,6 +345,7 @@ def summarise(row: str, stage: str, trainer: str, variants: list[str], run: dict
             out[f"{variant}_parity"] = parity(mine, base, segments, segment_steps)
             ok &= out[f"{variant}_parity"]["ok"]
             out[f"{variant}_over_unpatched"] = out[f"{variant}_step_ms"] / out["unpatched_step_ms"]
+            out[f"{variant}_over_unpatched_paired"] = paired_ratios(steps, variant, segment_steps)
     out["op_calls_unpatched"] = sum(
         g["op_calls"] for rank in ranks for g in rank["segments"] if not g["variant"].startswith("patched")
     )
@@ -353,6 +355,31 @@ def summarise(row: str, stage: str, trainer: str, variants: list[str], run: dict
     for key in ("deepspeed_invalidated_trace", "wall_s", "steps"):
         out[key] = run[key]
     return out
+
+
+def paired_ratios(steps: list[dict], variant: str, segment_steps: int) -> dict:
+    """Each segment of ``variant`` against its unpatched neighbours: its median step over the mean
+    of the medians of the nearest unpatched segments before and after it. The step time drifts
+    during a launch (segments of one variant differed by 10 %), which the medians over the whole
+    run mix into the ratio; neighbours share the drift. The median, least and largest ratio."""
+    medians = [
+        (steps[i]["variant"], statistics.median(s["ms"] for s in steps[i + 1 : i + segment_steps]))
+        for i in range(0, len(steps) - segment_steps + 1, segment_steps)
+    ]
+    base = [k for k, (name, _) in enumerate(medians) if name == "unpatched"]
+    ratios = []
+    for k, (name, ms) in enumerate(medians):
+        if name != variant:
+            continue
+        near = [max((b for b in base if b < k), default=None), min((b for b in base if b > k), default=None)]
+        ref = [medians[b][1] for b in near if b is not None]
+        ratios.append(ms / statistics.mean(ref))
+    return {
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "segments": len(ratios),
+    }
 
 
 def parity(mine: list, base: dict, segments: list[list[dict]], segment_steps: int) -> dict:

@@ -27,3 +27,69 @@ def no_label_sync() -> Callable[[], None]:
         validation.check_values = original
 
     return undo
+
+
+def memory_at_peak() -> Callable[[], None]:
+    """Record the allocator's history over the segment (this rank's GPU); at its end, replay it to
+    the moment the bytes allocated during the segment peak and write what is alive then, summed
+    by where it was allocated (``experiments.peak_blocks``' replay), to
+    ``$ZERO3_PEAK_DIR/peak_rank{RANK}_{n}.json``. Changes nothing the step computes."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from experiments.peak_blocks import live_at_peak
+
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+    def undo() -> None:
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        peak, at_peak = live_at_peak(trace)
+        by_site: dict[str, list[int]] = {}
+        for size, where in at_peak:
+            entry = by_site.setdefault(where, [0, 0])
+            entry[0] += size
+            entry[1] += 1
+        top = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:40]
+        out = Path(os.environ.get("ZERO3_PEAK_DIR", "/tmp"))
+        out.mkdir(parents=True, exist_ok=True)
+        n = len(list(out.glob(f"peak_rank{os.environ['RANK']}_*.json")))
+        summary = {
+            "peak_over_segment_start_gib": peak / 2**30,
+            "live_blocks": len(at_peak),
+            "events": len(trace),
+            "top_sites": [{"where": w, "gib": b / 2**30, "blocks": c} for w, (b, c) in top],
+        }
+        (out / f"peak_rank{os.environ['RANK']}_{n}.json").write_text(json.dumps(summary, indent=1))
+
+    return undo
+
+
+def budget(value: str) -> Callable[[], Callable[[], None]]:
+    """A set-up that runs the patched op at memory budget ``value`` (``LIGER_MEMORY_BUDGET``, which
+    the op reads on every call) instead of the patched forward's ``"batch"``."""
+
+    def setup() -> Callable[[], None]:
+        import os
+
+        before = os.environ.get("LIGER_MEMORY_BUDGET")
+        os.environ["LIGER_MEMORY_BUDGET"] = value
+
+        def undo() -> None:
+            if before is None:
+                os.environ.pop("LIGER_MEMORY_BUDGET", None)
+            else:
+                os.environ["LIGER_MEMORY_BUDGET"] = before
+
+        return undo
+
+    return setup
+
+
+budget_1gib = budget("1GiB")
+budget_lean = budget("lean")
