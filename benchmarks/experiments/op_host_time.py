@@ -193,6 +193,28 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _python_profile(out: Path) -> None:
+    """cProfile of 30 forward + backward calls of ours at the h1024 row's head: which Python
+    functions (ours, Triton's launcher, torch's custom-op dispatch) the host time goes to."""
+    import cProfile
+    import pstats
+
+    step = _head_steps(*SHAPES["h1024_4x1024"])["ours_batch"]
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(30):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    with open(out / "python_profile.txt", "w") as f:
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("tottime").print_stats(60)
+        stats.sort_stats("cumulative").print_stats(80)
+
+
 def main() -> int:
     if not need_cuda(__file__):
         return 2
@@ -200,9 +222,13 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--python-profile", action="store_true", help="only the cProfile of ours")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.python_profile:
+        _python_profile(out)
+        return 0
     result = {"environment": environment(), "device": torch.cuda.get_device_name(), "rows": {}}
     result["launch_costs_us"] = _launch_costs()
     print("launch_costs_us", json.dumps(result["launch_costs_us"]), flush=True)

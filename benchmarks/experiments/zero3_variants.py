@@ -39,7 +39,6 @@ def memory_at_peak() -> Callable[[], None]:
     from pathlib import Path
 
     import torch
-
     from experiments.peak_blocks import live_at_peak
 
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -93,3 +92,4 @@ def budget(value: str) -> Callable[[], Callable[[], None]]:
 
 budget_1gib = budget("1GiB")
 budget_lean = budget("lean")
+budget_512mib = budget("512MiB")
