@@ -9,6 +9,7 @@ from liger_patch.ops import (
     fused_linear_cross_entropy,
     fused_linear_logprobs,
 )
+from liger_patch.ops.distillation import FusedLinearDistillationLoss, fused_linear_distillation
 from liger_patch.patching import (
     LigerBypassWarning,
     ModelSpec,
@@ -35,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FusedLinearCrossEntropyLoss",
+    "FusedLinearDistillationLoss",
     "LigerBypassWarning",
     "LigerPatchCallback",
     "LogProbs",
@@ -43,6 +45,7 @@ __all__ = [
     "__version__",
     "apply_liger_to",
     "fused_linear_cross_entropy",
+    "fused_linear_distillation",
     "fused_linear_logprobs",
     "liger_patched",
     "register_model",

@@ -1,0 +1,193 @@
+"""``DistillOptions``: every option of the fused distillation loss, checked once, in one frozen object.
+
+The public functional and the Module build one from keywords (``build_distill_options``); the
+registered operator receives it as one string (``key``) and rebuilds it (``from_key``, cached).
+Each side's final logits at the temperature are described by a ``LossOptions`` (``student``,
+``teacher``), so the cross-entropy op's ``torch_ce.final_logits`` computes them: the temperature
+folds into the logit scale and softcap exactly as for ``fused_linear_logprobs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from liger_patch.ops.logprobs import temperature_options
+from liger_patch.ops.options import BACKEND_NAMES, BackendName, LossOptions, Reduction, option_float
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """The options of one ``fused_linear_distillation`` call (docs/distillation.md has the math).
+
+    Checked and normalised on construction (numbers become floats; a bad value raises, naming
+    the option). ``key`` is every option as one string, ``student`` and ``teacher`` the
+    ``LossOptions`` whose ``final_logits`` are that side's final logits divided by the
+    temperature (``backend="torch"``: their scaling helper is the PyTorch one).
+    """
+
+    beta: float = 0.0
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    ignore_index: int = -100
+    reduction: Reduction = "mean"
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
+    student_logit_scale: float | None = None
+    teacher_logit_scale: float | None = None
+    backend: BackendName = "auto"
+    memory_budget: int | str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in _checked(self).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+        object.__setattr__(self, "student", self._side(self.student_softcap, self.student_logit_scale))
+        object.__setattr__(self, "teacher", self._side(self.teacher_softcap, self.teacher_logit_scale))
+
+    def _side(self, softcap: float | None, logit_scale: float | None) -> LossOptions:
+        return LossOptions(
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            backend="torch",
+            memory_budget=self.memory_budget,
+            **temperature_options(self.temperature, logit_scale, softcap),
+        )
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def from_key(key: str) -> DistillOptions:
+        """The options ``key`` was made from (``DistillOptions(...).key``)."""
+        return DistillOptions(**json.loads(key))
+
+
+DISTILL_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DistillOptions))
+
+DISTILL_OPTION_DOCS = {
+    "beta": "in [0, 1]: 0 is KL(teacher || student), 1 is KL(student || teacher), between them the "
+    "generalized Jensen-Shannon divergence with mixture (1 - beta) p_student + beta p_teacher (TRL's)",
+    "temperature": "T > 0 dividing both sides' final logits before the divergence",
+    "ce_weight": "w in [0, 1]: each kept token's loss is (1 - w) divergence + w cross-entropy of the "
+    "student's final logits (no temperature) against the label",
+    "ignore_index": "label value of tokens that do not count",
+    "reduction": '"mean" over kept tokens (or over ``num_items_in_batch``), "sum", or "none" (per-token '
+    "losses in the leading shape, 0 at ignored tokens)",
+    "student_softcap": "c > 0: ``c * tanh(x / c)`` on the student's logits (after its logit scale)",
+    "teacher_softcap": "the same for the teacher's logits",
+    "student_logit_scale": "s != 0 multiplies the student's logits before its softcap",
+    "teacher_logit_scale": "the same for the teacher's logits",
+    "backend": '"auto" or "torch" (the PyTorch implementation); "triton" is not implemented yet',
+    "memory_budget": "working memory beyond inputs, outputs and gradients, as for "
+    '``fused_linear_cross_entropy`` (bytes, a size such as "256MiB", or a named budget)',
+}
+"""One line per option, for the docstrings of the entry points."""
+assert set(DISTILL_OPTION_DOCS) == set(DISTILL_OPTION_NAMES), "every option needs its line"
+
+
+def _unit_interval(name: str, value: object) -> float:
+    number = option_float(name, value)
+    if not 0.0 <= number <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} must be in [0, 1], got {number}")
+    return number
+
+
+def _optional_positive(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    number = option_float(name, value)
+    if not (math.isfinite(number) and number > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0 (or None), got {number}")
+    return number
+
+
+def _optional_scale(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    number = option_float(name, value)
+    if not (math.isfinite(number) and number != 0.0):
+        raise ValueError(f"{name} must be a finite non-zero number (or None), got {number}")
+    return number
+
+
+def _checked(opts: DistillOptions) -> dict[str, Any]:
+    """The normalised value of every option; raises for a bad one, naming it. ``ignore_index``,
+    ``reduction`` and ``memory_budget`` are checked as the cross-entropy op checks them."""
+    LossOptions(ignore_index=opts.ignore_index, reduction=opts.reduction, memory_budget=opts.memory_budget)
+    if opts.backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
+    if opts.backend == "triton":
+        raise NotImplementedError(
+            "fused_linear_distillation has no Triton kernel yet (issue 30, part 2); use backend='torch' "
+            "or 'auto', which run the PyTorch implementation on every device"
+        )
+    temperature = option_float("temperature", opts.temperature)
+    if not (math.isfinite(temperature) and temperature > 0.0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return dict(
+        beta=_unit_interval("beta", opts.beta),
+        ce_weight=_unit_interval("ce_weight", opts.ce_weight),
+        temperature=temperature,
+        student_softcap=_optional_positive("student_softcap", opts.student_softcap),
+        teacher_softcap=_optional_positive("teacher_softcap", opts.teacher_softcap),
+        student_logit_scale=_optional_scale("student_logit_scale", opts.student_logit_scale),
+        teacher_logit_scale=_optional_scale("teacher_logit_scale", opts.teacher_logit_scale),
+    )
+
+
+_HEX = "float.hex:"
+
+
+def as_constants(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with every float as its exact hex string: what ``build_distill_options`` takes
+    under ``torch.compile``, where a float read from a variable would otherwise be traced as a
+    symbol (the reason ``options.constant_changes`` gives for the cross-entropy op)."""
+    return {name: _HEX + v.hex() if isinstance(v, float) else v for name, v in options.items()}
+
+
+def _from_constant(value: Any) -> Any:
+    return (
+        float.fromhex(value.removeprefix(_HEX))
+        if isinstance(value, str) and value.startswith(_HEX)
+        else value
+    )
+
+
+def build_distill_options(where: str = "fused_linear_distillation", **options: Any) -> DistillOptions:
+    """``DistillOptions(**options)`` (floats possibly given by ``as_constants``), an unknown name
+    refused with the list of options, naming ``where``; cached, so a call repeated with the same
+    options builds nothing, and a constant of the graph under ``torch.compile``."""
+    unknown = sorted(set(options) - set(DISTILL_OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown option(s) {unknown}; the options are {list(DISTILL_OPTION_NAMES)}"
+        )
+    try:
+        return _build_cached(tuple(sorted(options.items())))
+    except TypeError as exc:  # an unhashable value: built uncached (and refused there if it is wrong)
+        if "unhashable" not in str(exc):
+            raise
+        return _build(options)
+
+
+@functools.lru_cache(maxsize=256)
+def _build_cached(items: tuple) -> DistillOptions:
+    return _build(dict(items))
+
+
+def _build(options: dict[str, Any]) -> DistillOptions:
+    return DistillOptions(**{name: _from_constant(value) for name, value in options.items()})
+
+
+def options_from_key(key: str) -> DistillOptions:
+    """``DistillOptions.from_key``, a constant under ``torch.compile`` (for the Module's options)."""
+    return DistillOptions.from_key(key)
+
+
+# As ``options.build_options``: what ``torch.compiler.assume_constant_result`` sets, without
+# importing torch._dynamo.
+build_distill_options._dynamo_marked_constant = True
+options_from_key._dynamo_marked_constant = True

@@ -1,0 +1,170 @@
+"""The distillation loss of one chunk of token rows, and its gradient with respect to the
+student's raw logits: the one statement of the row math (docs/distillation.md).
+
+Notation: x the raw logits (W h + b) of a side, z = softcap(s x) its final logits, T the
+temperature, a = z / T, log p = log_softmax(a) (p_s the student's, p_t the teacher's), y the
+label, w = ce_weight. As TRL's ``generalized_jsd_loss``:
+
+    D = KL(p_t || p_s)                                          beta = 0
+    D = KL(p_s || p_t)                                          beta = 1
+    D = beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = (1 - beta) p_s + beta p_t   otherwise
+    loss = (1 - w) D + w ce,   ce = logsumexp(z_s) - z_s[y]     (the cross-entropy has no temperature)
+
+and with respect to the student's a (each sum over the row's V columns):
+
+    dD/da = p_s - p_t                                           beta = 0
+    dD/da = p_s (log p_s - log p_t - D)                         beta = 1
+    dD/da = (1 - beta) p_s (log p_s - log m - KL(p_s || m))     otherwise
+    dce/da = T (softmax(z_s) - onehot(y))
+
+(In the generalized JSD the teacher's term's derivative through m cancels the mixture's part of
+the student's term: dD/dp_s = (1 - beta)(log p_s - log m).) Then da/dx = (s / T) softcap'(s x),
+the chain the student's ``DistillOptions.student`` (temperature folded in) describes.
+
+Everything here is fp32 and works in place on the chunk's buffers, so a chunk holds at most
+``ROW_BUFFERS`` fp32 rows x V buffers at once (``distillation_chunks`` sizes chunks by it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from liger_patch.ops.distillation_options import DistillOptions
+from liger_patch.ops.options import LossOptions
+from liger_patch.ops.torch_ce import final_logits
+
+ROW_BUFFERS = 7
+"""fp32 rows x V buffers a chunk holds at its peak (counted by tests/ops/test_distillation.py):
+with softcaps, the student's log-probs and softcap slope beside the teacher's logits and
+``final_logits``' four temporaries; without, at most five (the two sides' log-probs, the
+cross-entropy's gradient and the divergence's mixture and terms)."""
+
+
+def _log_softmax_(z: Tensor) -> Tensor:
+    """log_softmax over the last dimension, in z's own buffer."""
+    return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+
+
+def _row_sum_of_products_(a: Tensor, b: Tensor) -> Tensor:
+    """sum_j a_ij b_ij per row, leaving the products a_ij b_ij in ``b``'s buffer (no temporary;
+    an fp32 sum, where a batched GEMM could run in TF32)."""
+    return b.mul_(a).sum(dim=-1)
+
+
+def _forward_kl_(ls: Tensor, lt: Tensor, want_grad: bool, _beta: float) -> tuple[Tensor, Tensor | None]:
+    """KL(p_t || p_s) and its gradient p_s - p_t; consumes ``ls`` and ``lt``."""
+    pt = lt.exp()
+    d = _row_sum_of_products_(pt, lt.sub_(ls))
+    return d, ls.exp_().sub_(pt) if want_grad else None
+
+
+def _reverse_kl_(ls: Tensor, lt: Tensor, want_grad: bool, _beta: float) -> tuple[Tensor, Tensor | None]:
+    """KL(p_s || p_t) and its gradient p_s (log p_s - log p_t - D); consumes ``ls`` and ``lt``."""
+    terms = lt.neg_().add_(ls)  # log p_s - log p_t, then p_s times it
+    ps = ls.exp_()
+    d = _row_sum_of_products_(ps, terms)
+    return d, terms.addcmul_(ps, d.unsqueeze(-1), value=-1.0) if want_grad else None
+
+
+def _generalized_jsd_(ls: Tensor, lt: Tensor, want_grad: bool, beta: float) -> tuple[Tensor, Tensor | None]:
+    """beta KL(p_t || m) + (1 - beta) KL(p_s || m) and its gradient; consumes ``ls`` and ``lt``."""
+    log_m = ls + math.log1p(-beta)
+    s_terms = lt + math.log(beta)
+    torch.logaddexp(log_m, s_terms, out=log_m)
+    torch.sub(ls, log_m, out=s_terms)  # log p_s - log m, then p_s times it
+    t_terms = log_m.neg_().add_(lt)  # log p_t - log m
+    kl_t = _row_sum_of_products_(lt.exp_(), t_terms)
+    del t_terms, log_m
+    ps = ls.exp_()
+    kl_s = _row_sum_of_products_(ps, s_terms)
+    d = beta * kl_t + (1.0 - beta) * kl_s
+    if not want_grad:
+        return d, None
+    return d, s_terms.addcmul_(ps, kl_s.unsqueeze(-1), value=-1.0).mul_(1.0 - beta)
+
+
+def _divergence(beta: float):
+    if beta == 0.0:
+        return _forward_kl_
+    return _reverse_kl_ if beta == 1.0 else _generalized_jsd_
+
+
+def _cross_entropy(
+    ls: Tensor, labels: Tensor, temperature: float, want_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The student's cross-entropy without temperature, from its log-probs at temperature T:
+    q = T log_softmax(z / T) is z shifted per row, so logsumexp(q) - q_y = logsumexp(z) - z_y;
+    and its gradient with respect to a = z / T, T (softmax(q) - onehot(y)). ``ls`` is kept."""
+    q = ls * temperature
+    lse = torch.logsumexp(q, dim=-1)
+    at_label = labels.unsqueeze(-1)
+    ce = lse - q.gather(-1, at_label).squeeze(-1)
+    if not want_grad:
+        return ce, None
+    g = q.sub_(lse.unsqueeze(-1)).exp_()
+    g.scatter_add_(-1, at_label, torch.full_like(at_label, -1.0, dtype=g.dtype))
+    return ce, g.mul_(temperature)
+
+
+def _softcap_slope_(u: Tensor) -> Tensor:
+    """d tanh(u) / du = 1 - tanh(u)^2, in u's buffer, as 4e / (1 + e)^2 with e = exp(-2|u|): no
+    cancellation once tanh saturates (as the cross-entropy's row kernel writes it)."""
+    e = u.abs_().mul_(-2.0).exp_()
+    denominator = (e + 1.0).square_()
+    return e.mul_(4.0).div_(denominator)
+
+
+def _to_raw_logits_(g: Tensor, slope: Tensor | None, side: LossOptions) -> Tensor:
+    """d/da -> d/dx for a = softcap(s' x) with the side's (temperature-folded) scale s'."""
+    if slope is not None:
+        g.mul_(slope)
+    if side.logit_scale is not None:
+        g.mul_(side.scale)
+    return g
+
+
+@torch.no_grad()
+def side_log_probs(x: Tensor, side: LossOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(a) of a side's (rows, V) raw logits ``x``, a = its final logits at the
+    temperature (``side``: ``DistillOptions.student`` or ``.teacher``), and with ``want_slope``
+    the softcap's slope at each logit (``None`` without a softcap). ``x`` may be consumed: pass it
+    without keeping a reference, and its buffer is freed (or reused) as soon as it can be."""
+    z, u = final_logits(x, side)
+    del x
+    slope = _softcap_slope_(u) if want_slope and u is not None else None
+    del u
+    return _log_softmax_(z), slope
+
+
+@torch.no_grad()
+def distill_rows(
+    ls: Tensor,
+    lt: Tensor,
+    slope: Tensor | None,
+    labels: Tensor,
+    opts: DistillOptions,
+    coef: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Each row's loss from the (rows, V) fp32 log-probs ``ls`` (student) and ``lt`` (teacher) at
+    the temperature (``side_log_probs``), whose rows are all kept tokens with labels ``labels``
+    (rows,); and with ``coef`` (rows,) fp32, ``coef_i * d loss_i / d x_i`` (rows, V) fp32 with
+    respect to the student's raw logits x (``slope``: the student's softcap slope, when it has
+    a softcap). ``ls`` and ``lt`` are consumed (the gradient may live in either's buffer)."""
+    want_grad = coef is not None
+    w = opts.ce_weight
+    ce = g_ce = None
+    if w:
+        ce, g_ce = _cross_entropy(ls, labels, opts.temperature, want_grad)
+    d, g = _divergence(opts.beta)(ls, lt, want_grad, opts.beta)
+    del ls, lt
+    loss = d if not w else (1.0 - w) * d + w * ce
+    if not want_grad:
+        return loss, None
+    if w:
+        g.mul_(1.0 - w).add_(g_ce, alpha=w)
+    del g_ce
+    g.mul_(coef.unsqueeze(-1))
+    return loss, _to_raw_logits_(g, slope, opts.student)
