@@ -42,9 +42,11 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MiB, "gib": 1 << 30, "kb": 10**3
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 
-def batch_budget(hidden_bytes: int | None) -> int:
+def batch_budget(hidden_bytes: int | None, whole_bytes: int | None = None) -> int:
     """The ``"batch"`` budget of a call whose hidden states take ``hidden_bytes``: six times
-    that, within 256 MiB to 1 GiB (1 GiB, its most, when the size is not known).
+    that, within 256 MiB to 1 GiB (1 GiB, its most, when the size is not known); and at least
+    ``whole_bytes``, what the call needs to run as one chunk (:func:`one_chunk_bytes`), when that
+    is within 1 GiB.
 
     In a training step the loss head runs while the decoder's activations are held, and the
     decoder's backward later peaks at about eight times the hidden states' bytes above the live
@@ -52,16 +54,38 @@ def batch_budget(hidden_bytes: int | None) -> int:
     30). The head holds the hidden states themselves beside its working memory, so six times
     keeps it under that peak, where a fixed 512 MiB set the step's peak in both; and a large
     batch gets larger chunks, which are faster, at no cost to the step's peak. The floor keeps
-    small batches out of small chunks, which cost more time than their memory saves."""
+    small batches out of small chunks, which cost more time than their memory saves.
+
+    A small call runs as one chunk: each chunk costs about 0.3 ms of host time (launches and
+    Python; ``benchmarks/experiments/op_host_time.py``), which a CPU-bound step (DeepSpeed at a
+    small model) pays in full. At 4x1024 tokens with H=1024 under ZeRO-3 on two GPUs, one
+    chunk made the step 3-5 % faster than four at 256 MiB, for 0.56 GiB more at its peak
+    (docs/perf-notes.md item 31)."""
     low, high = BATCH_RANGE
     if hidden_bytes is None:
         return high
-    return min(high, max(low, BATCH_FACTOR * hidden_bytes))
+    sized = min(high, max(low, BATCH_FACTOR * hidden_bytes))
+    if whole_bytes is not None and whole_bytes <= high:
+        return max(sized, whole_bytes)
+    return sized
 
 
-def parse_memory_budget(value: int | str, hidden_bytes: int | None = None) -> int:
+def one_chunk_bytes(
+    n_rows: int, n_tokens: int, vocab: int, logit_bytes: int, hidden: int, operand_bytes: int
+) -> int:
+    """The budget under which a call of ``n_tokens`` tokens runs the ``n_rows`` rows it walks as
+    one chunk: their logits, the gathered rows' hidden states and grad_h, log-sum-exp partials
+    (at most three fp32 per 256 columns: under ``vocab // 16`` bytes a row), and the per-token
+    vectors and the slack that :func:`working_bytes` sets aside."""
+    per_row = vocab * logit_bytes + vocab // 16 + 2 * hidden * operand_bytes
+    return n_rows * per_row + n_tokens * PER_TOKEN_BYTES + SLACK_BYTES
+
+
+def parse_memory_budget(
+    value: int | str, hidden_bytes: int | None = None, whole_bytes: int | None = None
+) -> int:
     """Bytes for a memory budget given as a positive int (bytes), a name in ``MEMORY_BUDGETS``,
-    ``"batch"`` (:func:`batch_budget` of ``hidden_bytes``), or a size string such as
+    ``"batch"`` (:func:`batch_budget` of ``hidden_bytes`` and ``whole_bytes``), or a size string such as
     ``"256MiB"``, ``"1GiB"``, ``"64MB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"memory_budget must be an int number of bytes or a string, got {value!r}")
@@ -71,7 +95,7 @@ def parse_memory_budget(value: int | str, hidden_bytes: int | None = None) -> in
     elif name in MEMORY_BUDGETS:
         return MEMORY_BUDGETS[name]
     elif name == BATCH_BUDGET:
-        return batch_budget(hidden_bytes)
+        return batch_budget(hidden_bytes, whole_bytes)
     else:
         match = _SIZE.match(value.lower())
         if match is None or match.group(2) not in _UNITS:
@@ -83,24 +107,33 @@ def parse_memory_budget(value: int | str, hidden_bytes: int | None = None) -> in
     return nbytes
 
 
-def resolve_budget(memory_budget: int | str | None, hidden_bytes: int | None = None) -> int:
+def resolve_budget(
+    memory_budget: int | str | None, hidden_bytes: int | None = None, whole_bytes: int | None = None
+) -> int:
     """Bytes of a call's budget: its option, else ``LIGER_MEMORY_BUDGET`` (read now), else the
-    default; ``hidden_bytes`` (the call's hidden states) sizes ``"batch"``."""
+    default; ``hidden_bytes`` (the call's hidden states) and ``whole_bytes`` (one chunk of the
+    call) size ``"batch"``."""
     if memory_budget is not None:
-        return parse_memory_budget(memory_budget, hidden_bytes)
+        return parse_memory_budget(memory_budget, hidden_bytes, whole_bytes)
     from_env = env.memory_budget()
     if from_env is None:
         return parse_memory_budget(DEFAULT_MEMORY_BUDGET)
     try:
-        return parse_memory_budget(from_env, hidden_bytes)
+        return parse_memory_budget(from_env, hidden_bytes, whole_bytes)
     except ValueError as exc:
         raise ValueError(f"environment variable LIGER_MEMORY_BUDGET={from_env!r}: {exc}") from None
 
 
-def working_bytes(memory_budget: int | str | None, n_tokens: int, hidden_bytes: int | None = None) -> int:
+def working_bytes(
+    memory_budget: int | str | None,
+    n_tokens: int,
+    hidden_bytes: int | None = None,
+    whole_bytes: int | None = None,
+) -> int:
     """What the chunk buffers may use: the resolved budget less the per-token vectors and the
     slack, so that everything the op allocates stays inside it (at least one byte: one row)."""
-    return max(1, resolve_budget(memory_budget, hidden_bytes) - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
+    resolved = resolve_budget(memory_budget, hidden_bytes, whole_bytes)
+    return max(1, resolved - PER_TOKEN_BYTES * n_tokens - SLACK_BYTES)
 
 
 def chunk_rows(
@@ -110,13 +143,16 @@ def chunk_rows(
 
     With ``tuning.balanced_chunks`` and the ``n_rows`` to split: :func:`balanced_rows`.
 
-    Rounded down to a multiple of 256 from 512 rows up (of 128 from 256): cuBLAS tiles the chunk
-    GEMMs 256 rows at a time, and a part-filled tile row costs a whole one. Measured on an H200
+    Unless they hold all ``n_rows``, rounded down to a multiple of 256 from 512 rows up (of 128
+    from 256): cuBLAS tiles the chunk GEMMs 256 rows at a time, and a part-filled tile row costs
+    a whole one. Measured on an H200
     at N=32768, H=4096, V=151936 (docs/perf-notes.md): 1664 rows 202 ms, 1536 rows 192 ms.
     """
     if tuning.chunk_rows is not None:
         return tuning.chunk_rows
     rows = max(1, budget_bytes // (element_bytes * max(width, 1)))
+    if n_rows is not None and rows >= n_rows:
+        return rows  # one chunk of every row: rounding down would only add a remainder chunk
     if tuning.balanced_chunks and n_rows is not None:
         return balanced_rows(n_rows, rows)
     if rows >= 512:

@@ -78,6 +78,20 @@ def _checked_labels(
     return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one), None
 
 
+def _budget_bytes(
+    opts: LossOptions, hidden: Tensor, weight: Tensor, labels: Tensor, kept: Tensor | None
+) -> int:
+    """The chunk buffers' bytes for a call that walks ``kept`` rows (every row when ``None``):
+    its budget (``budget.working_bytes``), which ``"batch"`` sizes by its hidden states and by
+    what one chunk of those rows would take."""
+    n_rows = labels.shape[0] if kept is None else kept.shape[0]
+    logit_bytes = (opts.logits_dtype or hidden.dtype).itemsize
+    whole = budget.one_chunk_bytes(
+        n_rows, labels.shape[0], weight.shape[0], logit_bytes, hidden.shape[1], hidden.element_size()
+    )
+    return budget.working_bytes(opts.memory_budget, labels.shape[0], hidden.nbytes, whole)
+
+
 def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
     def rows(wanted: bool, dtype: torch.dtype) -> Tensor | None:
         return torch.empty(n, dtype=dtype, device=device) if wanted else None
@@ -127,7 +141,7 @@ def flce(
             bias,
             labels,
             opts,
-            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), hidden.nbytes),
+            budget_bytes=_budget_bytes(opts, hidden, weight, labels, kept_rows),
             coef_ce=row_weight if precompute else None,
             coef_z=row_weight if precompute else None,
             need_hidden=precompute and needs[0],
@@ -256,7 +270,7 @@ def recompute_grads(
             bias,
             labels,
             opts,
-            budget_bytes=budget.working_bytes(opts.memory_budget, labels.numel(), hidden.nbytes),
+            budget_bytes=_budget_bytes(opts, hidden, weight, labels, None),
             coef_ce=coef_ce,
             coef_z=coef_z,
             lse_in=lse,

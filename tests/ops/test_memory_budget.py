@@ -12,6 +12,7 @@ from liger_patch.ops.budget import (
     PER_TOKEN_BYTES,
     SLACK_BYTES,
     batch_budget,
+    one_chunk_bytes,
     parse_memory_budget,
     resolve_budget,
 )
@@ -71,6 +72,28 @@ def test_batch_budget_is_six_times_the_hidden_states_within_256_mib_to_1_gib(hid
     assert parse_memory_budget(" Batch ", hidden_bytes) == nbytes
 
 
+@pytest.mark.parametrize(
+    "hidden_bytes, whole_bytes, nbytes",
+    [
+        (8 * MiB, 789 * MiB, 789 * MiB),  # 4 x 1024 tokens at H=1024, V=128256: one chunk
+        (8 * MiB, 1024 * MiB, 1024 * MiB),
+        (8 * MiB, 1024 * MiB + 1, 256 * MiB),  # beyond 1 GiB: sized by the hidden states alone
+        (64 * MiB, 200 * MiB, 384 * MiB),  # already larger than one chunk
+        (None, 10 * MiB, 1024 * MiB),
+    ],
+)
+def test_batch_budget_runs_a_small_call_as_one_chunk(hidden_bytes, whole_bytes, nbytes):
+    assert batch_budget(hidden_bytes, whole_bytes) == nbytes
+    assert parse_memory_budget("batch", hidden_bytes, whole_bytes) == nbytes
+    assert resolve_budget("batch", hidden_bytes, whole_bytes) == nbytes
+    assert parse_memory_budget("default", hidden_bytes, whole_bytes) == 512 * MiB  # "batch" only
+
+
+def test_one_chunk_bytes_counts_rows_partials_gathers_and_per_token_vectors():
+    # 3 rows walked of 5 tokens, V=256 in bf16 (512 B + 16 B of partials), H=8 in bf16 (32 B)
+    assert one_chunk_bytes(3, 5, 256, 2, 8, 2) == 3 * (512 + 16 + 32) + 5 * PER_TOKEN_BYTES + SLACK_BYTES
+
+
 def test_batch_budget_from_the_environment_and_as_an_option(monkeypatch):
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "batch")
     assert resolve_budget(None, 50 * MiB) == 300 * MiB
@@ -111,6 +134,18 @@ def test_argument_environment_default(gen, device, monkeypatch, logits_calls, ba
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "a lot")
     with pytest.raises(ValueError, match="LIGER_MEMORY_BUDGET='a lot'"):
         call_op(case, backend=backend)
+
+
+def test_a_batch_call_that_fits_one_gib_runs_as_one_chunk(gen, logits_calls):
+    """1200 kept fp32 rows of V=65536 (300 MiB of logits; the hidden states' 25 KiB alone size
+    ``"batch"`` at its 256 MiB floor) run as one chunk, the 400 ignored rows skipped."""
+    case = make_case(gen, (1600,), 4, 65536, requires_grad=("hidden",), ignore="none")
+    case.labels[::4] = -100
+    call_op(case, backend="torch", memory_budget="batch")
+    assert logits_calls == [1200]
+    logits_calls.clear()
+    call_op(case, backend="torch", memory_budget="256MiB")
+    assert len(logits_calls) == 2 and sum(logits_calls) == 1200
 
 
 @pytest.mark.parametrize("budget", ["lean", "default", 4 * 50 * 3, 1])
