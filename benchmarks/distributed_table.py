@@ -1,7 +1,8 @@
 """One table of every 2-GPU training-step result: patched against unpatched step time and peak per rank.
 
-Reads the JSON files the 2-GPU scripts wrote (``zero3_gpu.py``: ``zero3.json``, ``zero2.json``,
-``zero3_offload.json``; ``distributed_gpu.py``: FSDP2; ``tp_gpu.py``: tensor parallelism;
+Reads the JSON files the 2-GPU scripts wrote (``zero3_gpu.py``: ``zero3_h1024.json``,
+``zero3.json``, ``zero2.json``, ``zero3_offload.json``, and ``zero3_sft.json`` for TRL's
+``SFTTrainer``; ``distributed_gpu.py``: FSDP2; ``tp_gpu.py``: tensor parallelism;
 ``cp_gpu.py``: context parallelism) and writes the rows with the same fields, so that they can be
 compared at a glance: ``docs/results/distributed_speed.json`` and ``.md``. A file that is missing
 is skipped (its row says so).
@@ -23,12 +24,15 @@ def _deepspeed_rows(path: Path) -> list[dict]:
         if "error" in row:
             rows.append({"setting": row["stage"], "row": row["row"], "error": row["error"]})
             continue
+        trainer = "TRL SFTTrainer" if row.get("trainer") == "sft" else "HF Trainer"
+        paired = row.get("patched_over_unpatched_paired")
         rows.append(
             {
-                "setting": f"HF Trainer, DeepSpeed {row['stage']}",
+                "setting": f"{trainer}, DeepSpeed {row['stage']}",
                 "row": row["row"],
                 "unpatched_step_ms": row["unpatched_step_ms"],
                 "patched_step_ms": row["patched_step_ms"],
+                "paired_ratio": None if paired is None else paired["median"],
                 "unpatched_peak_gib_per_rank": row["unpatched_peak_gib_per_rank"],
                 "patched_peak_gib_per_rank": row["patched_peak_gib_per_rank"],
                 "parity_ok": row["parity_ok"],
@@ -86,7 +90,9 @@ def _context_parallel_rows(path: Path) -> list[dict]:
 
 
 SOURCES = {
+    "zero3_h1024.json": _deepspeed_rows,
     "zero3.json": _deepspeed_rows,
+    "zero3_sft.json": _deepspeed_rows,
     "zero2.json": _deepspeed_rows,
     "zero3_offload.json": _deepspeed_rows,
     "distributed_gpu.json": lambda p: _paired_runs(
@@ -101,19 +107,21 @@ SOURCES = {
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| setting | row | unpatched step | patched step | patched / unpatched | peak per rank, unpatched "
-        "→ patched | parity | device |",
+        "| setting | row | unpatched step | patched step | patched / unpatched (paired) | peak per rank, "
+        "unpatched → patched | parity | device |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['setting']} | {r['row']} | {r['error']} | | | | | |")
             continue
-        ratio = r["patched_step_ms"] / r["unpatched_step_ms"]
+        ratio = f"{r['patched_step_ms'] / r['unpatched_step_ms']:.3f}"
+        if r.get("paired_ratio") is not None:  # each segment against its unpatched neighbours
+            ratio += f" ({r['paired_ratio']:.3f})"
         peak_u, peak_p = max(r["unpatched_peak_gib_per_rank"]), max(r["patched_peak_gib_per_rank"])
         lines.append(
             f"| {r['setting']} | {r['row']} | {r['unpatched_step_ms']:.1f} ms | "
-            f"{r['patched_step_ms']:.1f} ms | {ratio:.3f} | "
+            f"{r['patched_step_ms']:.1f} ms | {ratio} | "
             f"{peak_u:.2f} → {peak_p:.2f} GiB ({peak_p / peak_u - 1:+.0%}) | "
             f"{'ok' if r['parity_ok'] else 'FAIL'} | {r['device']} |"
         )
