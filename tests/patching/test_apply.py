@@ -251,9 +251,9 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     seen = []
     real = budget.resolve_budget
 
-    def spy(value, hidden_bytes=None):
+    def spy(value, hidden_bytes=None, whole_bytes=None):
         seen.append(value)
-        return real(value, hidden_bytes)
+        return real(value, hidden_bytes, whole_bytes)
 
     monkeypatch.setattr(budget, "resolve_budget", spy)
     model = tiny_model("llama")
@@ -272,16 +272,17 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
 
 def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(monkeypatch):
     """With no memory_budget and LIGER_MEMORY_BUDGET unset, the fused loss of a patched forward
-    gets "batch" (sized by the hidden states, ops.budget.batch_budget); the environment and an
-    explicit option still win."""
+    gets "batch" (sized by the hidden states and by one chunk of the call's rows,
+    ops.budget.batch_budget); the environment and an explicit option still win."""
     from liger_patch.ops import budget
 
-    seen = []
+    seen, wholes = [], []
     real = budget.resolve_budget
 
-    def spy(value, hidden_bytes=None):
+    def spy(value, hidden_bytes=None, whole_bytes=None):
         seen.append((value, hidden_bytes))
-        return real(value, hidden_bytes)
+        wholes.append(whole_bytes)
+        return real(value, hidden_bytes, whole_bytes)
 
     monkeypatch.setattr(budget, "resolve_budget", spy)
     monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
@@ -291,6 +292,7 @@ def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(mon
     model(**batch)
     hidden_bytes = batch["input_ids"].numel() * model.config.hidden_size * model.dtype.itemsize
     assert seen == [("batch", hidden_bytes)]
+    assert wholes[0] > batch["input_ids"].numel() // 2 * model.config.vocab_size  # one chunk's logits
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "lean")
     model(**batch)
     assert seen[-1] == (None, hidden_bytes)
