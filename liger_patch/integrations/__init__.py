@@ -1,12 +1,12 @@
 """Integrations with training frameworks: the HF Trainer callback (``trainer``), TRL's fused
-LM head (``trl``) and TRL's distillation trainer (``trl_distillation``).
+LM head (``trl``) and TRL's distillation trainers (``trl_distillation``, ``trl_gkd``).
 
 Importing this package (``import liger_patch`` does) imports the TRL modules, which register their
 hooks with ``apply_liger_to``; patching itself never imports an integration."""
 
 from typing import Any
 
-from liger_patch.integrations import trl, trl_distillation  # noqa: F401 - each registers its TRL hook
+from liger_patch.integrations import trl, trl_distillation, trl_gkd  # noqa: F401 - each registers its TRL hook
 
 __all__ = ["LigerPatchCallback"]
 
