@@ -260,21 +260,25 @@ def _logits_hook_teacher():
 
 
 @pytest.mark.parametrize(
-    "setup, reason",
+    "setup, reason, tries",
     [
-        (dict(trainer_class=_OwnJSD), "_OwnJSD overrides generalized_jsd_loss"),
-        (dict(models=_custom_teacher_head), "teacher's head cannot be fused: its lm_head is a Head"),
-        (dict(models=_logits_hook_teacher), "it uses logits.sub_"),
+        (dict(trainer_class=_OwnJSD), "_OwnJSD overrides generalized_jsd_loss", 0),
+        (dict(models=_custom_teacher_head), "teacher's head cannot be fused: its lm_head is a Head", 0),
+        (dict(models=_logits_hook_teacher), "it uses logits.sub_", 1),
     ],
     ids=["own-jsd", "custom-head", "logits-used"],
 )
-def test_gkd_runs_trls_loss_where_it_cannot_fuse_and_says_why(tmp_path, op_calls, setup, reason):
+def test_gkd_runs_trls_loss_where_it_cannot_fuse_and_says_why(tmp_path, op_calls, setup, reason, tries):
+    """TRL's loss, TRL's numbers, the reason said; a forward that refused is not tried again
+    (``tries``: the student's forwards beyond TRL's one a step)."""
     make = _gkd(tmp_path, beta=0.5, **setup)
     reference = _train(make, patched=False)
     with pytest.warns(LigerBypassWarning, match=reason):
         trainer = make([LigerPatchCallback(**CALLBACK)])
+        forwards = []
+        trainer.model.register_forward_pre_hook(lambda *_: forwards.append(1))
         trainer.train()
-    assert not op_calls  # not tried again after a forward refused
+    assert not op_calls and len(forwards) == trainer.state.global_step + tries
     _assert_same_run(reference, (trainer.state.log_history, dict(trainer.model.named_parameters()), None))
 
 
