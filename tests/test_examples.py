@@ -19,7 +19,7 @@ HELPERS = {"tiny_trl.py"}  # imported by the TRL examples, not run on its own
 EXAMPLES = sorted(path for path in (ROOT / "examples").glob("*.py") if path.name not in HELPERS)
 # Packages an example needs beyond the `test` extra, with how to get them.
 TRL = ("trl", 'trl is not installed (pip install -e ".[examples]")')
-NEEDS = {"trl_sft.py": TRL, "trl_dpo.py": TRL, "trl_grpo.py": TRL}
+NEEDS = {"trl_sft.py": TRL, "trl_dpo.py": TRL, "trl_grpo.py": TRL, "trl_distillation.py": TRL}
 LOSS = re.compile(r"\bloss:?\s+([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))", re.IGNORECASE)
 
 

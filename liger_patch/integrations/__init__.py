@@ -1,12 +1,12 @@
-"""Integrations with training frameworks: the HF Trainer callback (``trainer``) and TRL's fused
-LM head (``trl``).
+"""Integrations with training frameworks: the HF Trainer callback (``trainer``), TRL's fused
+LM head (``trl``) and TRL's distillation trainers (``trl_distillation``, ``trl_gkd``).
 
-Importing this package (``import liger_patch`` does) imports ``trl``, which registers its hook
-with ``apply_liger_to``; patching itself never imports an integration."""
+Importing this package (``import liger_patch`` does) imports the TRL modules, which register their
+hooks with ``apply_liger_to``; patching itself never imports an integration."""
 
 from typing import Any
 
-from liger_patch.integrations import trl  # noqa: F401 - registers TRL's kernel hook
+from liger_patch.integrations import trl, trl_distillation, trl_gkd  # noqa: F401 - each registers its TRL hook
 
 __all__ = ["LigerPatchCallback"]
 

@@ -41,7 +41,7 @@ import importlib.machinery
 import sys
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,14 @@ from liger_patch.patching.apply import after_apply
 from liger_patch.patching.sharded_head import is_zero3_partitioned
 from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
-__all__ = ["FusedLogProbHead", "LigerBypassWarning", "install", "install_when_imported", "installed"]
+__all__ = [
+    "FusedLogProbHead",
+    "LigerBypassWarning",
+    "install",
+    "install_on_import",
+    "install_when_imported",
+    "installed",
+]
 
 TRL_MODULE = "trl.trainer.utils"
 KERNEL_ATTR = "_ChunkedLogProbFunction"
@@ -257,11 +264,22 @@ def install(module: Any = None) -> bool:
     return True
 
 
+_INSTALLERS: dict[str, Callable[[Any], bool]] = {}
+"""TRL module name -> what puts our hook into it (given the module), run once it is imported."""
+
+
+def install_on_import(name: str, installer: Callable[[Any], bool]) -> None:
+    """Have :func:`install_when_imported` run ``installer(module)`` for TRL's module ``name`` (how
+    ``integrations.trl_distillation`` and ``integrations.trl_gkd`` hook TRL's distillation trainers)."""
+    _INSTALLERS[name] = installer
+
+
 class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`install` right after ``trl.trainer.utils`` is imported."""
+    """Runs a module's installer right after it is imported (``trl.trainer.utils``: :func:`install`)."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TRL_MODULE:
+        installer = _INSTALLERS.get(name)
+        if installer is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -270,20 +288,28 @@ class _InstallOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             loader_exec(module)
-            install(module)
+            installer(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install_when_imported() -> None:
-    """:func:`install` now if TRL is imported, else when it is (nothing if TRL is not installed)."""
-    if TRL_MODULE in sys.modules:
-        install()
-    elif importlib.machinery.PathFinder.find_spec("trl") is not None and not any(
-        isinstance(finder, _InstallOnImport) for finder in sys.meta_path
+    """Each TRL module's installer (:func:`install`, and those :func:`install_on_import` added) now
+    if the module is imported, else when it is (nothing if TRL is not installed)."""
+    waiting = False
+    for name, installer in _INSTALLERS.items():
+        if name in sys.modules:
+            installer(sys.modules[name])
+        else:
+            waiting = True
+    if (
+        waiting
+        and importlib.machinery.PathFinder.find_spec("trl") is not None
+        and not any(isinstance(finder, _InstallOnImport) for finder in sys.meta_path)
     ):
         sys.meta_path.insert(0, _InstallOnImport())
 
 
+install_on_import(TRL_MODULE, install)
 after_apply(install_when_imported)  # TRL's trainers call their own kernel, not the forward: route it to us

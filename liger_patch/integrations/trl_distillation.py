@@ -1,0 +1,248 @@
+"""TRL's ``DistillationTrainer`` computing its divergence with ``fused_linear_distillation`` for a
+patched student; and what TRL's two distillation trainers' hooks share (``trl_gkd.py`` has GKD's).
+
+Both trainers train the student towards the teacher's next-token distribution under TRL's
+generalized JSD (``beta``: 0 forward KL, 1 reverse KL, else the mixture), the op's own math
+(docs/distillation.md).
+
+``DistillationTrainer`` (``trl.trainer.distillation_trainer``; ``trl.experimental.distillation``
+subclasses it) never builds the logits either: its ``_compute_loss`` runs each model's decoder
+body and hands both hidden states (the completion's positions), both ``lm_head`` weights and
+biases, the completion mask, ``beta``, the temperature, ``num_items_in_batch`` and each head's
+logit scale and softcap (read from the configs) to the module's ``_chunked_divergence_loss``,
+which returns ``(loss, entropy_sum, n_valid)``: the divergence summed over the kept tokens and
+divided by their number (or by ``num_items_in_batch``), the student's entropy at the
+temperature summed over them (the logged ``entropy`` metric), and their number.
+
+:class:`FusedDivergence` takes that function's place. When the trainer calling it (``self`` of
+the calling frame) trains a patched student (``apply_liger_to`` or ``LigerPatchCallback``), the
+same three come from the fused op, with TRL's own arguments: the loss from
+``fused_linear_distillation`` (four GEMMs per kept token, no ``tokens x V`` buffer beyond the
+memory budget's chunks), the entropy from one forward-only pass of ``fused_linear_logprobs`` at
+the temperature (one more logits GEMM: the distillation op does not return the entropy). With an
+unpatched student, TRL's function runs. A head that FSDP2 or ZeRO-3 shards (TRL gathers it inside
+its kernel) or a zero logit scale or non-positive softcap (the op refuses them) runs TRL's
+function too, with a ``LigerBypassWarning`` naming the reason.
+
+The installers run when ``apply_liger_to`` patches something, through ``integrations.trl``'s
+import hook (now if the TRL module is imported, else when it is); this package imports this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from liger_patch.integrations.trl import install_on_import
+from liger_patch.ops.distillation import fused_linear_distillation
+from liger_patch.ops.logprobs import fused_linear_logprobs
+from liger_patch.ops.options import LOSS_OPTIONS
+from liger_patch.patching.sharded_head import is_dtensor, is_zero3_partitioned
+from liger_patch.patching.state import PatchState, patch_state
+
+__all__ = [
+    "IGNORE",
+    "FusedDivergence",
+    "distill_runtime",
+    "fall_back",
+    "install",
+    "installed",
+    "is_sharded",
+    "used_by_fused_path",
+]
+
+TRL_MODULE = "trl.trainer.distillation_trainer"
+DIVERGENCE_ATTR = "_chunked_divergence_loss"
+IGNORE = -100
+"""TRL's mark of a token that counts for nothing (GKD compares ``labels != -100``)."""
+
+_ARGUMENTS = frozenset(
+    (
+        *("student_hidden_states", "teacher_hidden_states", "student_lm_head_weight"),
+        *("teacher_lm_head_weight", "completion_mask", "beta", "num_items_in_batch"),
+        *("student_lm_head_bias", "teacher_lm_head_bias", "student_logit_scale", "teacher_logit_scale"),
+        *("student_final_logit_softcapping", "teacher_final_logit_softcapping", "temperature"),
+    )
+)
+"""The arguments of TRL 1.16's ``_chunked_divergence_loss`` (another set: TRL's function runs)."""
+
+
+class FusedDivergence:
+    """Stands in for TRL's ``_chunked_divergence_loss``: takes its arguments and returns its
+    ``(loss, entropy_sum, n_valid)``, from the fused op for a patched student, from TRL's
+    function otherwise."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.signature = inspect.signature(original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = _student_patch(sys._getframe(1))
+        if state is None:
+            return self.original(*args, **kwargs)
+        arguments = self._arguments(args, kwargs)
+        reason = _why_trl_divergence(arguments)
+        if reason is not None:
+            fall_back(state, "chunked divergence kernel", reason)
+            return self.original(*args, **kwargs)
+        used_by_fused_path(state)
+        return fused_divergence(state, **arguments)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        return bound.arguments
+
+
+def fused_divergence(
+    state: PatchState,
+    *,
+    student_hidden_states: torch.Tensor,
+    teacher_hidden_states: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    completion_mask: torch.Tensor,
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None,
+    student_lm_head_bias: torch.Tensor | None,
+    teacher_lm_head_bias: torch.Tensor | None,
+    student_logit_scale: float,
+    teacher_logit_scale: float,
+    student_final_logit_softcapping: float | None,
+    teacher_final_logit_softcapping: float | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's ``(loss, entropy_sum, n_valid)`` through the fused ops, with the patch's runtime options."""
+    valid = completion_mask.reshape(-1) != 0
+    labels = torch.where(valid, 0, IGNORE)  # which tokens count: there is no cross-entropy term
+    student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
+    teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(student.device)
+    student_scale = None if student_logit_scale == 1.0 else student_logit_scale
+    runtime = distill_runtime(state)
+    loss = fused_linear_distillation(
+        student, student_lm_head_weight, teacher, teacher_lm_head_weight, labels,
+        student_lm_head_bias, teacher_lm_head_bias,
+        beta=beta, temperature=temperature, reduction="mean", num_items_in_batch=num_items_in_batch,
+        student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
+        student_logit_scale=student_scale,
+        teacher_logit_scale=None if teacher_logit_scale == 1.0 else teacher_logit_scale,
+        **runtime,
+    )  # fmt: skip
+    with torch.no_grad():  # TRL's entropy metric: the student's softmax at the temperature
+        entropy = fused_linear_logprobs(
+            student, student_lm_head_weight, labels, student_lm_head_bias,
+            temperature=temperature, return_entropy=True, ignore_index=IGNORE,
+            softcap=student_final_logit_softcapping, logit_scale=student_scale,
+            backend=state.options.backend, memory_budget=runtime["memory_budget"],
+        ).entropy  # fmt: skip
+    return loss, entropy.sum(), valid.sum()
+
+
+def _why_trl_divergence(arguments: dict[str, Any] | None) -> str | None:
+    """Why TRL's own function must compute this call (``None``: the fused op does)."""
+    if arguments is None or set(arguments) != _ARGUMENTS:
+        return f"this TRL's {DIVERGENCE_ATTR} takes other arguments than TRL 1.16's"
+    for side in ("student", "teacher"):
+        if is_sharded(arguments[f"{side}_lm_head_weight"], arguments[f"{side}_lm_head_bias"]):
+            return (
+                f"the {side}'s lm_head is sharded (FSDP2 or DeepSpeed ZeRO-3), which TRL's kernel "
+                "gathers and the fused distillation op does not yet"
+            )
+        if arguments[f"{side}_logit_scale"] == 0:
+            return f"the {side}'s logit scale is 0 (all its logits are 0), which the fused op refuses"
+        softcap = arguments[f"{side}_final_logit_softcapping"]
+        if softcap is not None and not softcap > 0:
+            return f"the {side}'s softcap is {softcap}, which the fused op refuses (it must be > 0)"
+    return None
+
+
+def _student_patch(frame: Any) -> PatchState | None:
+    """The patch of the student whose loss the caller computes: the caller (within three frames)
+    is a ``DistillationTrainer``'s method, and the student is that trainer's ``model``."""
+    trainer_class = getattr(sys.modules.get(TRL_MODULE), "DistillationTrainer", None)
+    for _ in range(3):
+        if frame is None or trainer_class is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, trainer_class):
+            return patch_state(candidate.model)
+        frame = frame.f_back
+    return None
+
+
+# --- what the two distillation hooks share ------------------------------------------------------
+
+
+def distill_runtime(state: PatchState) -> dict[str, Any]:
+    """The patch's runtime options as the distillation op takes them: its memory budget (the
+    batch budget of a training step when none is named) and backend ("triton" runs as "auto":
+    the op has only its PyTorch implementation so far)."""
+    budget = state.budget_changes().get("memory_budget", state.options.memory_budget)
+    return dict(backend="torch" if state.options.backend == "torch" else "auto", memory_budget=budget)
+
+
+def is_sharded(*tensors: Any) -> bool:
+    """Whether any of ``tensors`` is an FSDP2 / tensor-parallel shard or a ZeRO-3 partition."""
+    return any(t is not None and (is_dtensor(t) or is_zero3_partitioned(t)) for t in tensors)
+
+
+def fall_back(state: PatchState, what: str, reason: str) -> None:
+    """Record and say (once per patch) that TRL's own ``what`` computed a patched student's loss."""
+    state.bypass_reason = f"TRL's own {what} ran because {reason}"
+    state.warn_bypass_once(
+        f"liger_patch: {state.bypass_reason}; the fused distillation op is not used for it.", stacklevel=4
+    )
+
+
+# The patches already told that their loss options do not apply to TRL's divergence, by id (a
+# PatchState is unhashable); an entry leaves with its patch, so an id is never mistaken.
+_WARNED_OPTIONS: weakref.WeakValueDictionary[int, PatchState] = weakref.WeakValueDictionary()
+
+
+def used_by_fused_path(state: PatchState) -> None:
+    """Mark that the op computed this step's loss (the Trainer callback checks it), and say once
+    which of the patch's loss options (z-loss, label smoothing, ...) TRL's divergence has no use for."""
+    state.fused_ran = True
+    unused = [name for name in LOSS_OPTIONS if name in state.options.changed()]
+    if unused and _WARNED_OPTIONS.get(id(state)) is not state:
+        _WARNED_OPTIONS[id(state)] = state
+        warnings.warn(
+            f"liger_patch: TRL's distillation loss is its divergence alone; the patch's "
+            f"{', '.join(unused)} do not apply to it (use TRL's own settings).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+# --- the hook --------------------------------------------------------------------------------
+
+
+def installed() -> bool:
+    """Whether ``DistillationTrainer``'s divergence function is ours."""
+    module = sys.modules.get(TRL_MODULE)
+    return module is not None and isinstance(getattr(module, DIVERGENCE_ATTR, None), FusedDivergence)
+
+
+def install(module: Any = None) -> bool:
+    """Put :class:`FusedDivergence` in place of the TRL module's ``_chunked_divergence_loss``
+    (idempotent); False when this TRL has none."""
+    module = module if module is not None else sys.modules.get(TRL_MODULE)
+    current = getattr(module, DIVERGENCE_ATTR, None) if module is not None else None
+    if current is None:
+        return False
+    if not isinstance(current, FusedDivergence):
+        setattr(module, DIVERGENCE_ATTR, FusedDivergence(current))
+    return True
+
+
+install_on_import(TRL_MODULE, install)
