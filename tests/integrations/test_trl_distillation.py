@@ -13,6 +13,7 @@ divergence and its gradient would be close to 0 whatever was computed.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -70,7 +71,12 @@ def op_calls(monkeypatch):
 def trl_kernel_calls(monkeypatch):
     """Calls of TRL's own chunked divergence kernel (``DistillationTrainer``'s path)."""
     calls = []
-    kernel = distillation_trainer.ChunkedDivergenceFunction
+    # TRL 1.16 imports it into the trainer's module; 1.15 imports it from its kernels module at
+    # each call: count it where this version looks it up.
+    home = distillation_trainer
+    if not hasattr(home, "ChunkedDivergenceFunction"):
+        home = importlib.import_module("trl.kernels.chunked_divergence")
+    kernel = home.ChunkedDivergenceFunction
 
     class Counted:
         @staticmethod
@@ -78,7 +84,7 @@ def trl_kernel_calls(monkeypatch):
             calls.append(args[0].shape[0])
             return kernel.apply(*args)
 
-    monkeypatch.setattr(distillation_trainer, "ChunkedDivergenceFunction", Counted)
+    monkeypatch.setattr(home, "ChunkedDivergenceFunction", Counted)
     return calls
 
 
