@@ -14,7 +14,13 @@ import weakref
 import torch
 import torch.nn as nn
 
-from liger_patch.patching.adapters import base_layer, is_lora_head, unfusable_wrapper_reason
+from liger_patch.patching.adapters import (
+    base_layer,
+    is_lora_head,
+    is_peft_layer,
+    low_rank_term,
+    unfusable_wrapper_reason,
+)
 from liger_patch.patching.registry import ModelSpec, get_submodule_path, missing_path_message
 from liger_patch.patching.sharded_head import (
     head_tensor,
@@ -23,7 +29,7 @@ from liger_patch.patching.sharded_head import (
     sharded_head_reason,
 )
 
-__all__ = ["fusable_head", "head_path", "unfusable_head_message"]
+__all__ = ["adapter_term", "fusable_head", "head_path", "unfusable_head_message"]
 
 _FLOAT8_DTYPES = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 
@@ -120,6 +126,20 @@ def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Module | None, s
     if not reason and is_lora_head(head):
         reason = lora_sharding_reason(model, head, linear)
     return (None, reason, path) if reason else (head, "", path)
+
+
+def adapter_term(
+    model: nn.Module, spec: ModelSpec, hidden: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
+    """For a caller that reads the head's weight itself (TRL's fused head): the low-rank term of
+    the model's LoRA head for ``hidden`` (``adapters.low_rank_term``, ``None`` for a head with no
+    adapter to add), and ``""``; or ``(None, reason)`` when the head is a PEFT wrapper that cannot
+    be fused (its weight alone would drop the adapter)."""
+    path = head_path(model, spec)
+    if path is None or not is_peft_layer(_active_modules_to_save_copy(get_submodule_path(model, path))):
+        return None, ""
+    head, reason, _ = fusable_head(model, spec)
+    return (None, reason) if head is None else (low_rank_term(head, hidden), "")
 
 
 def unfusable_head_message(model: nn.Module, reason: str) -> str:

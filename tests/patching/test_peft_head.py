@@ -226,3 +226,21 @@ def test_prompt_tuning_is_fused(op_calls):
     ours, theirs = _train_both(patched, reference)
     assert_records_match(ours, theirs, TOL)
     assert op_calls == [None] * 3 and any("prompt_encoder" in n for n in ours.grads[0])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hf_trainer_with_gradient_accumulation_and_dropout(tmp_path, op_calls, tied):
+    """The HF Trainer (gradient accumulation 2, num_items_in_batch, its own seeding) trains the
+    patched LoRA-headed model as it trains the unpatched one, dropout included."""
+    from tests.integrations.test_trainer import run_trainer
+
+    reference, patched = peft_pair(tied, target_modules=["lm_head", "q_proj"], lora_dropout=0.2)
+    runs = []
+    for model, callbacks in ((reference, []), (patched, [lp.LigerPatchCallback()])):
+        trainer = run_trainer(model, tmp_path / str(len(runs)), callbacks=callbacks)
+        trainer.train()
+        runs.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(runs[1]) == 3 and runs[1] == pytest.approx(runs[0], rel=1e-5, abs=1e-5)
+    assert op_calls == [3] * 6  # 3 optimizer steps of 2 micro-batches, all fused with the term
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
