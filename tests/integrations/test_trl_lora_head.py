@@ -4,7 +4,8 @@ TRL's head hands ``lm_head.weight`` to its log-prob kernel: for a LoRA layer tha
 weight alone (TRL's SFT, GRPO, RLOO and KTO trainers refuse such a model; DPO does not). Through
 the patch the kernel is ours, and it adds the head's adapters as the op's low-rank term: the
 log-probs, the entropy and the gradients of every adapter equal TRL's own kernel's on the
-effective weight ``W + s B A`` formed densely. A wrapper with no fused form runs TRL's kernel, with a warning that names it."""
+effective weight ``W + s B A`` formed densely. A wrapper with no fused form runs TRL's kernel,
+with a warning that names it."""
 
 from __future__ import annotations
 
@@ -100,3 +101,39 @@ def test_unfusable_head_wrapper_runs_trls_kernel_and_names_it(op_calls):
     with pytest.warns(LigerBypassWarning, match="TRL's own log-prob kernel ran .*DoRA"):
         model(**make_batch(), fused_lm_head=True)
     assert op_calls == []
+
+
+def test_sft_trainer_with_modules_to_save_head_and_lora_layers(tmp_path, op_calls):
+    """TRL's SFTTrainer (which refuses LoRA on lm_head itself) with LoRA on attention and a
+    trainable copy of lm_head (modules_to_save): the same run through the op."""
+    from peft import LoraConfig
+    from tiny_trl import arithmetic_chats, tiny_tokenizer
+    from tiny_trl import tiny_model as trl_tiny_model
+
+    from tests.integrations.test_trl import METRICS, _assert_same_run, _common, _train
+
+    def make(path):
+        def trainer(callbacks):
+            config = LoraConfig(
+                r=3,
+                lora_alpha=7,
+                target_modules=["q_proj"],
+                modules_to_save=["lm_head"],
+                task_type="CAUSAL_LM",
+            )
+            return trl.SFTTrainer(
+                model=trl_tiny_model(seed=1),
+                args=trl.SFTConfig(**_common(path, gradient_accumulation_steps=2)),
+                train_dataset=arithmetic_chats(48),
+                processing_class=tiny_tokenizer(),
+                peft_config=config,
+                callbacks=callbacks,
+            )
+
+        return trainer
+
+    reference = _train(make(tmp_path / "trl"), patched=False)
+    ours = _train(make(tmp_path / "ours"), patched=True)
+    assert len(op_calls) == 6
+    _assert_same_run(reference, ours, METRICS)
+    assert any("modules_to_save" in name and "lm_head" in name for name in ours[1])
