@@ -16,21 +16,21 @@ from liger_patch.ops.tuning import Tuning
 N, H, V, R = 23, 13, 41, 3  # odd sizes: nothing divides anything
 
 
-def _inputs(gen, dtype, *, ignore="runs", n=N, rank=R, layout="contiguous", bias=False):
+def _inputs(gen, dtype, *, ignore="runs", n=N, rank=R, layout="contiguous", bias=False, h=H, v=V):
     """hidden, weight, labels, bias, u, B (rounded to ``dtype``; u and B in the layout asked for)."""
-    hidden = torch.randn(n, H, generator=gen)
-    weight = torch.randn(V, H, generator=gen) * 0.4
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * 0.4
     u = torch.randn(n, rank, generator=gen)
-    b = torch.randn(V, rank, generator=gen) * 0.5
-    labels = torch.randint(0, V, (n,), generator=gen)
+    b = torch.randn(v, rank, generator=gen) * 0.5
+    labels = torch.randint(0, v, (n,), generator=gen)
     labels[ignore_mask(ignore, n, gen)] = -100
-    b_vec = torch.randn(V, generator=gen) * 0.1 if bias else None
+    b_vec = torch.randn(v, generator=gen) * 0.1 if bias else None
     hidden, weight, u, b = (t.to(dtype) for t in (hidden, weight, u, b))
     if layout == "transposed":  # u and B as transposes of (r, N) and (r, V) tensors
         u, b = u.t().contiguous().t(), b.t().contiguous().t()
     elif layout == "strided":  # every other column of wider tensors
         u = torch.stack((u, u), -1).reshape(n, 2 * rank)[:, ::2]
-        b = torch.stack((b, b), -1).reshape(V, 2 * rank)[:, ::2]
+        b = torch.stack((b, b), -1).reshape(v, 2 * rank)[:, ::2]
     return hidden, weight, labels, None if b_vec is None else b_vec.to(dtype), u, b
 
 
@@ -202,3 +202,44 @@ def test_opcheck_with_the_term(gen):
         [True, False, False, True, True],
     )
     torch.library.opcheck(torch.ops.liger_patch.flce_backward, back, {"low_rank_u": u, "low_rank_b": b})
+
+
+def test_create_graph_backward_carries_the_term(gen):
+    """``create_graph=True`` (the dense differentiable path): first gradients equal the fp64 ones
+    and can be differentiated again."""
+    hidden, weight, labels, _, u, b = _inputs(gen, torch.float32)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, u, b)]
+    h, w, uu, bb = leaves
+    loss = fused_loss(h, w, labels, options=LossOptions.from_kwargs(backend="torch"), low_rank=(uu, bb))
+    grads = torch.autograd.grad(loss, leaves, create_graph=True)
+    ref_loss, ref_leaves = _reference(hidden, weight, labels, None, u, b, (True,) * 4)
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
+    for name, g, rg in zip(("hidden", "weight", "u", "B"), grads, ref_grads, strict=True):
+        assert_close(f"grad {name}", g, rg, TOL[torch.float32])
+    assert grads[2].requires_grad and grads[3].requires_grad
+
+
+def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, monkeypatch):
+    """Sizes the Triton fused logits GEMM takes (16-byte aligned rows): its log-sum-exp partials
+    would miss the term, so the chunks go through cuBLAS and the term is added before the rows."""
+    from liger_patch.ops.triton import logits as triton_logits
+
+    assert triton_logits.supported(torch.zeros(8, 16), torch.zeros(48, 16), torch.float32, Tuning())
+    hidden, weight, labels, _, u, b = _inputs(gen, torch.float32, n=24, h=16, v=48, ignore="none")
+    calls = []
+    original = triton_logits.logits_with_partials
+    monkeypatch.setattr(
+        triton_logits, "logits_with_partials", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    options = LossOptions.from_kwargs(backend="triton")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, u, b)]
+    loss = fused_loss(leaves[0], weight, labels, options=options, low_rank=(leaves[1], leaves[2]))
+    loss.backward()
+    ref_loss, ref_leaves = _reference(hidden, weight, labels, None, u, b, (True, False, True, True))
+    assert_close("loss", loss, ref_loss, TOL[torch.float32])
+    ref_grads = torch.autograd.grad(ref_loss, [ref_leaves[0], ref_leaves[2], ref_leaves[3]])
+    for name, t, rg in zip(("hidden", "u", "B"), leaves, ref_grads, strict=True):
+        assert_close(f"grad {name}", t.grad, rg, TOL[torch.float32])
+    assert not calls
+    fused_loss(hidden, weight, labels, options=options)
+    assert calls  # without the term these sizes do take the fused GEMM
