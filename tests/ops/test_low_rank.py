@@ -222,15 +222,24 @@ def test_create_graph_backward_carries_the_term(gen):
 def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, monkeypatch):
     """Sizes the Triton fused logits GEMM takes (16-byte aligned rows): its log-sum-exp partials
     would miss the term, so the chunks go through cuBLAS and the term is added before the rows."""
+    import dataclasses
+
+    from liger_patch.ops import backends, operator
     from liger_patch.ops.triton import logits as triton_logits
 
     assert triton_logits.supported(torch.zeros(8, 16), torch.zeros(48, 16), torch.float32, Tuning())
     hidden, weight, labels, _, u, b = _inputs(gen, torch.float32, n=24, h=16, v=48, ignore="none")
     calls = []
-    original = triton_logits.logits_with_partials
-    monkeypatch.setattr(
-        triton_logits, "logits_with_partials", lambda *a, **k: calls.append(1) or original(*a, **k)
-    )
+
+    def spied(name, device):  # the Triton record with its fused GEMM counted (records are cached)
+        backend = backends.pick(name, device)
+        fused = backend.fused_logits
+        counted = dataclasses.replace(
+            fused, logits_with_partials=lambda *a, **k: calls.append(1) or fused.logits_with_partials(*a, **k)
+        )
+        return dataclasses.replace(backend, fused_logits=counted)
+
+    monkeypatch.setattr(operator, "pick", spied)
     options = LossOptions.from_kwargs(backend="triton")
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, u, b)]
     loss = fused_loss(leaves[0], weight, labels, options=options, low_rank=(leaves[1], leaves[2]))

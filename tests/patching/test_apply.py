@@ -251,9 +251,9 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     seen = []
     real = budget.resolve_budget
 
-    def spy(value, hidden_bytes=None):
+    def spy(value, hidden_bytes=None, whole_bytes=None):
         seen.append(value)
-        return real(value, hidden_bytes)
+        return real(value, hidden_bytes, whole_bytes)
 
     monkeypatch.setattr(budget, "resolve_budget", spy)
     model = tiny_model("llama")
@@ -279,9 +279,9 @@ def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(mon
     seen = []
     real = budget.resolve_budget
 
-    def spy(value, hidden_bytes=None):
+    def spy(value, hidden_bytes=None, whole_bytes=None):
         seen.append((value, hidden_bytes))
-        return real(value, hidden_bytes)
+        return real(value, hidden_bytes, whole_bytes)
 
     monkeypatch.setattr(budget, "resolve_budget", spy)
     monkeypatch.delenv("LIGER_MEMORY_BUDGET", raising=False)
