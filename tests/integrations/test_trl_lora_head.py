@@ -10,7 +10,9 @@ with a warning that names it."""
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import liger_patch as lp
 from liger_patch.patching.state import LigerBypassWarning
 from tests.patching_helpers import make_batch, tiny_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # tiny_trl, as test_trl.py
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 if not hasattr(trl.trainer.utils, "add_fused_lm_head"):

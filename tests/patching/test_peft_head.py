@@ -244,3 +244,34 @@ def test_hf_trainer_with_gradient_accumulation_and_dropout(tmp_path, op_calls, t
     assert op_calls == [3] * 6  # 3 optimizer steps of 2 micro-batches, all fused with the term
     for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_compiled_fullgraph_lora_head_equals_eager():
+    """``torch.compile(fullgraph=True)`` of the patched PEFT model: PEFT's adapter modules, the term
+    and the op trace into one graph, and give eager's loss and gradients."""
+    import gc
+
+    gc.collect()
+    torch._dynamo.reset()
+    _, model = peft_pair(target_modules=["lm_head", "q_proj"])
+    _apply_quietly(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    batch = make_batch()
+    results = []
+    for fn in (model, compiled):
+        out = fn(**batch)
+        assert out.logits is None
+        out.loss.backward()
+        results.append(
+            (
+                out.loss.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
+        model.zero_grad(set_to_none=True)
+    (eager, eager_grads), (comp, comp_grads) = results
+    torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+    assert comp_grads.keys() == eager_grads.keys() and any("lm_head.lora_A" in n for n in comp_grads)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(comp_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
