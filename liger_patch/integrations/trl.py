@@ -60,6 +60,7 @@ from liger_patch.ops.options import (
 )
 from liger_patch.ops.torch_ce import final_logits
 from liger_patch.patching.apply import after_apply
+from liger_patch.patching.head import adapter_term
 from liger_patch.patching.sharded_head import is_zero3_partitioned
 from liger_patch.patching.state import LigerBypassWarning, PatchState, patch_state
 
@@ -107,12 +108,21 @@ class FusedLogProbHead:
                 hidden, weight, bias, targets, temperature, chunk_size,
                 final_logit_softcapping, logit_scale, outputs,
             )  # fmt: skip
+        low_rank, reason = adapter_term(model, state.spec, hidden)  # TRL's weight lacks a LoRA head's term
+        if reason:
+            _note_bypass(
+                state, f"TRL's own log-prob kernel ran (without the head's adapter) because {reason}"
+            )
+            return self.original.apply(
+                hidden, weight, bias, targets, temperature, chunk_size,
+                final_logit_softcapping, logit_scale, outputs,
+            )  # fmt: skip
         state.fused_ran = True
         _warn_unused_loss_options(state)
         math_options = temperature_options(
             temperature, None if logit_scale == 1.0 else logit_scale, final_logit_softcapping
         )
-        return fused_log_prob_fields(hidden, weight, bias, targets, state, math_options, outputs)
+        return fused_log_prob_fields(hidden, weight, bias, targets, state, math_options, outputs, low_rank)
 
 
 def fused_log_prob_fields(
@@ -123,9 +133,11 @@ def fused_log_prob_fields(
     state: PatchState,
     math_options: dict[str, float | None],
     outputs: Sequence[str],
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """TRL's five per-token fields through the fused op (log-probs and entropy differentiable):
-    TRL's head math and fields, the patch's runtime options."""
+    TRL's head math and fields, the patch's runtime options; ``low_rank``: a LoRA head's term
+    (``patching.head.adapter_term``)."""
     want_top1 = "is_top1" in outputs
     changes = dict(
         option_defaults(OptionKind.LOSS, OptionKind.OUTPUT),
@@ -138,7 +150,7 @@ def fused_log_prob_fields(
     options = build_options(state.options.key, **constant_changes(changes))
 
     def per_token(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
-        result = fused_loss(h, w, targets, b, options=options)
+        result = fused_loss(h, w, targets, b, options=options, low_rank=low_rank)
         loss = result if torch.is_tensor(result) else result.loss
         is_top1 = result.predicted_tokens == targets if want_top1 else None
         return -loss, getattr(result, "entropy", None), is_top1
@@ -148,7 +160,7 @@ def fused_log_prob_fields(
         log_probs, entropy, is_top1 = GatheredBackward.apply(per_token, gather, hidden, weight, bias)
     else:
         log_probs, entropy, is_top1 = per_token(hidden, weight, bias)
-    log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, options, outputs)
+    log_sum_sq, mean_logits = _vocab_statistics(hidden, weight, bias, options, outputs, low_rank)
     return log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
 
@@ -171,6 +183,7 @@ def _vocab_statistics(
     bias: torch.Tensor | None,
     options: LossOptions,
     outputs: Sequence[str],
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``log sum_v p_v^2`` and the mean logit per token, where asked for (metrics only, no
     gradient). Without a softcap the mean logit is linear in the hidden state, so it needs one
@@ -180,8 +193,11 @@ def _vocab_statistics(
     if not (want_sq or want_mean):
         return None, None
     h, w, _ = autocast_inputs(hidden.detach(), weight.detach(), None)  # the head's matmul dtype
+    u, b_lr = (None, None) if low_rank is None else (t.detach().to(h.dtype) for t in low_rank)
     if want_mean and not want_sq and options.softcap is None:
         mean = h.float() @ w.float().mean(0)
+        if u is not None:
+            mean = mean + u.float() @ b_lr.float().mean(0)
         if bias is not None:
             mean = mean + bias.float().mean()
         return None, mean * options.scale
@@ -189,6 +205,8 @@ def _vocab_statistics(
     rows = max(1, _STATS_ELEMENTS // max(1, w.shape[0]))
     for start in range(0, h.shape[0], rows):
         x = (h[start : start + rows] @ w.T).float()
+        if u is not None:
+            x = x + (u[start : start + rows] @ b_lr.T).float()
         if bias is not None:
             x = x + bias.float()
         z, _ = final_logits(x, options)

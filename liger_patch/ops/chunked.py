@@ -19,7 +19,6 @@ The GEMMs and their dtypes are ``gemm``'s; where grad_W is summed and what borro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +33,10 @@ from liger_patch.ops.grad_weight_layout import (
     weight_operand,
     widen_in_place,
 )
+from liger_patch.ops.low_rank import LowRank
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.walked_rows import Chunk, RowRecords, walked
 
 
 @dataclass
@@ -45,92 +46,8 @@ class ChunkResult:
     grad_hidden: torch.Tensor | None
     grad_weight: torch.Tensor | None
     grad_bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Rows ``[start, stop)`` of the rows the token pass walks: the tensors' own rows, or with
-    ``index`` the rows that ``index[start:stop]`` lists."""
-
-    start: int
-    stop: int
-    index: torch.Tensor | None = None
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        """The chunk's rows of a whole-length tensor: a view, or a gathered copy."""
-        return t[self.start : self.stop] if self.index is None else t.index_select(0, self.index)
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The chunk's rows of a tensor with one row per walked row (a view)."""
-        return t[self.start : self.stop]
-
-
-def _walked(t: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
-    """``t``'s walked rows: itself, or its ``index`` rows gathered once for the whole pass."""
-    return t if t is None or index is None else t.index_select(0, index)
-
-
-@dataclass(frozen=True)
-class _RowRecords:
-    """The row kernel's extra records of one call (``row_io``), with one row per walked row, and
-    ``index``: the rows the token pass walks (``run_chunks``'s ``row_index``), ``None`` for every
-    row. With ``index`` the per-row records are gathered once (``entropy_grad``) or written into
-    walked-length buffers (``outputs``) that :meth:`finish` scatters into the caller's
-    whole-length ``scatter_to``: a few launches per call instead of per chunk."""
-
-    class_weight: ClassWeight | None
-    outputs: RowOutputs | None
-    entropy_grad: EntropyGrad | None
-    index: torch.Tensor | None = None
-    scatter_to: RowOutputs | None = None
-
-    @classmethod
-    def walking(
-        cls,
-        class_weight: ClassWeight | None,
-        outputs: RowOutputs | None,
-        entropy_grad: EntropyGrad | None,
-        index: torch.Tensor | None,
-    ) -> _RowRecords:
-        if index is None:
-            return cls(class_weight, outputs if outputs is not None and outputs.any() else None, entropy_grad)
-        walked_outputs = None
-        if outputs is not None and outputs.any():
-            n = index.shape[0]
-            walked_outputs = RowOutputs(*(None if t is None else t.new_empty(n) for t in outputs.tensors()))
-        grad = None
-        if entropy_grad is not None:
-            grad = EntropyGrad(_walked(entropy_grad.coef, index), _walked(entropy_grad.entropy, index))
-        return cls(class_weight, walked_outputs, grad, index, outputs if walked_outputs is not None else None)
-
-    def chunks(self, n_rows: int, chunk_rows: int) -> Iterator[_Chunk]:
-        """The token pass's chunks of ``chunk_rows`` rows: of all ``n_rows``, or of ``index``."""
-        total = n_rows if self.index is None else self.index.shape[0]
-        for start in range(0, total, chunk_rows):
-            stop = min(start + chunk_rows, total)
-            yield _Chunk(start, stop, None if self.index is None else self.index[start:stop])
-
-    def for_chunk(self, chunk: _Chunk) -> dict:
-        """Keyword arguments of the row kernel for ``chunk`` (views of the walked records)."""
-        out = {}
-        if self.class_weight is not None:
-            out["class_weight"] = self.class_weight
-        if self.outputs is not None:
-            out["outputs"] = self.outputs.rows(chunk.start, chunk.stop)
-        if self.entropy_grad is not None:
-            grad = self.entropy_grad
-            out["entropy_grad"] = EntropyGrad(chunk.rows(grad.coef), chunk.rows(grad.entropy))
-        return out
-
-    def finish(self) -> None:
-        """Write the walked outputs into the caller's; the rows not walked get an ignored row's
-        value (row_io: 0, -1 for argmax)."""
-        if self.scatter_to is None:
-            return
-        for dst, values in zip(self.scatter_to.tensors(), self.outputs.tensors(), strict=True):
-            if dst is not None:
-                dst.fill_(-1 if dst is self.scatter_to.argmax else 0)
-                dst.index_copy_(0, self.index, values.to(dst.dtype))
+    grad_u: torch.Tensor | None = None  # the low-rank term's (``low_rank.LowRank``)
+    grad_b: torch.Tensor | None = None
 
 
 def _plan(
@@ -142,16 +59,17 @@ def _plan(
     budget_bytes: int,
     grad_weight: bool,
     lse_given: bool,
-    weighted_smoothing: bool,
+    no_partials: bool,
     row_index: torch.Tensor | None,
 ) -> tuple[ChunkPlan, Backend | None, torch.Tensor | None]:
     """The chunk plan of this call, the backend whose fused logits GEMM token chunks may use
     (``None`` when the log-sum-exp is given: partials would save nothing, cuBLAS alone is faster;
-    and with class weights and label smoothing, whose class-weighted logit sums the partials lack),
+    and with ``no_partials``: class weights with label smoothing, whose class-weighted logit sums
+    the partials lack, or a low-rank term, which the GEMM's partials would not include),
     and ``row_index`` if the token pass may walk only those rows (not on the two-pass path,
     whose pass B needs every row's hidden states in one tensor)."""
     usable = backend.fused_logits is not None and opts.tuning.fused_logits
-    fused = backend if usable and not lse_given and not weighted_smoothing else None
+    fused = backend if usable and not lse_given and not no_partials else None
     shape = ChunkShape(
         n_rows=hidden.shape[0],
         vocab=weight.shape[0],
@@ -198,12 +116,13 @@ class _PassState:
     coef_ce: torch.Tensor | None
     coef_z: torch.Tensor | None
     lse_in: torch.Tensor | None
-    rows: _RowRecords
+    rows: RowRecords
     res: ChunkResult
     grad_sum: torch.Tensor | None
     token_grads: bool
+    low_rank: LowRank | None = None
 
-    def per_row(self, chunk: _Chunk) -> dict:
+    def per_row(self, chunk: Chunk) -> dict:
         """The row kernel's per-row coefficients and given log-sum-exp for ``chunk``'s rows."""
         return {
             name: None if t is None else chunk.rows(t)
@@ -250,6 +169,8 @@ def run_chunks(
     outputs: RowOutputs | None = None,
     entropy_grad: EntropyGrad | None = None,
     row_index: torch.Tensor | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    need_low_rank: tuple[bool, bool] = (False, False),
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
@@ -275,8 +196,12 @@ def run_chunks(
     ignored rows (the forward passes the kept rows): the token chunks then gather those rows and
     skip the rest, whose ce, lse, grad_h and outputs are what an ignored row gets. Every GEMM
     shrinks by the share of ignored rows. Not on the two-pass path.
+
+    ``low_rank`` ``(u, B)`` adds ``u B^T`` to the logits (``low_rank.py``); ``need_low_rank`` says
+    whether u and B want gradients (``ChunkResult.grad_u`` / ``grad_b``).
     """
-    compute_grad = coef_ce is not None and (need_hidden or need_weight or need_bias)
+    wanted = (need_hidden, need_weight, need_bias, *need_low_rank)
+    compute_grad = coef_ce is not None and any(wanted)
     grad_weight_here = compute_grad and need_weight
     logits_dtype = opts.logits_dtype or hidden.dtype  # of the input, not of the (CPU: fp32) GEMMs
     weighted_smoothing = class_weight is not None and opts.label_smoothing != 0.0
@@ -289,10 +214,16 @@ def run_chunks(
         budget_bytes,
         grad_weight_here,
         lse_in is not None,
-        weighted_smoothing,
+        weighted_smoothing or low_rank is not None,
         row_index,
     )
-    rows = _RowRecords.walking(class_weight, outputs, entropy_grad, row_index)
+    term = LowRank.of(
+        low_rank,
+        gemm_dtype_for(hidden),
+        tuple(compute_grad and n for n in need_low_rank),
+        row_index is not None,
+    )
+    rows = RowRecords.walking(class_weight, outputs, entropy_grad, row_index)
     res = _new_result(
         hidden,
         weight.shape[0],
@@ -314,14 +245,15 @@ def run_chunks(
         hidden=hidden,
         w=weight_operand(weight, hidden.dtype, gemm_dtype_for(hidden), copy_home),
         b=None if bias is None else bias.float().contiguous(),  # the fused GEMM reads it by column
-        labels=_walked(labels, row_index),
-        coef_ce=_walked(coef_ce, row_index),
-        coef_z=_walked(coef_z, row_index),
-        lse_in=_walked(lse_in, row_index),
+        labels=walked(labels, row_index),
+        coef_ce=walked(coef_ce, row_index),
+        coef_z=walked(coef_z, row_index),
+        lse_in=walked(lse_in, row_index),
         rows=rows,
         res=res,
         grad_sum=grad_sum,
-        token_grads=compute_grad and (need_hidden or not plan.two_pass),
+        token_grads=compute_grad and (need_hidden or any(need_low_rank) or not plan.two_pass),
+        low_rank=term,
     )
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
     if lse_in is None or state.token_grads:
@@ -339,6 +271,8 @@ def run_chunks(
         res.grad_weight = grad_sum.to(weight.dtype)
     if res.grad_bias is not None:
         res.grad_bias = res.grad_bias.to(bias.dtype)
+    if term is not None:
+        res.grad_u, res.grad_b = term.results()
     return res
 
 
@@ -355,6 +289,9 @@ def _token_pass(state: _PassState) -> None:
         h = chunk.take(state.hidden).to(w.dtype)
         out = None if scratch is None else buffer_in(scratch, h.shape[0], w.shape[0], state.logits_dtype)
         logits, partials = chunk_logits(h, w, state.b, state.opts, state.logits_dtype, out, state.fused)
+        u = None if state.low_rank is None else state.low_rank.rows(chunk)
+        if u is not None:
+            state.low_rank.add_to(logits, u)
         g = grad_view(logits, w.dtype) if state.token_grads else None
         ce_c, lse_c = state.backend.row_kernel(
             logits,
@@ -371,6 +308,8 @@ def _token_pass(state: _PassState) -> None:
         if g is None:
             continue
         _token_chunk_grads(state, chunk, h, g)
+        if u is not None and state.low_rank.wants_grads:
+            state.low_rank.chunk_grads(chunk, u, g)
         del logits, g
     if res.ce is not None and ces:
         _set_losses(res, ces, lses, state.rows.index)
@@ -387,7 +326,7 @@ def _set_losses(res: ChunkResult, ces: list, lses: list, index: torch.Tensor | N
             setattr(res, name, walked)
 
 
-def _token_chunk_grads(state: _PassState, chunk: _Chunk, h: torch.Tensor, g: torch.Tensor) -> None:
+def _token_chunk_grads(state: _PassState, chunk: Chunk, h: torch.Tensor, g: torch.Tensor) -> None:
     """One token chunk's gradients from its d(loss)/d(logits) ``g``: grad_h's rows and, on the
     one-pass path, its share of grad_W and grad_b."""
     res, w = state.res, state.w
@@ -421,6 +360,7 @@ def _vocab_pass(state: _PassState) -> None:
         coef_ce, coef_z = coef_ce * token_scale, coef_z * token_scale
     lse = state.lse_in if state.lse_in is not None else res.lse
     h, w = state.hidden.to(state.w.dtype), state.w
+    u = None if state.low_rank is None else state.low_rank.rows(None)
     n_rows, vocab = h.shape[0], w.shape[0]
     buf = None
     for v0, v1, in_grad_weight in state.plan.vocab_blocks:
@@ -431,6 +371,8 @@ def _vocab_pass(state: _PassState) -> None:
                 buf = torch.empty(n_rows * (v1 - v0), dtype=dtype, device=h.device)
             out = buf[: n_rows * (v1 - v0)].view(n_rows, v1 - v0)
         logits = gemm_logits(h, w[v0:v1], None if b is None else b[v0:v1], dtype, out=out)
+        if u is not None:
+            state.low_rank.add_to(logits, u, slice(v0, v1))
         g = grad_view(logits, h.dtype)
         state.backend.row_kernel(
             logits,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from liger_patch.ops import operator, outputs, validation  # noqa: F401  (operator: registers the ops)
+from liger_patch.ops.low_rank import check_low_rank
 from liger_patch.ops.options import (
     DEFAULT_OPTIONS,
     LossOptions,
@@ -50,6 +51,7 @@ def _fused(
     opts: LossOptions,
     num_items_in_batch: int | float | torch.Tensor | None,
     class_weight: torch.Tensor | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """The op for checked options: check the tensors, call the operator, shape the result."""
     validation.check_num_items(num_items_in_batch, opts.reduction)
@@ -59,8 +61,9 @@ def _fused(
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
     h2d = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     flat_labels = labels.reshape(-1)
+    u, b = _low_rank_inputs(low_rank, hidden, weight)
     grad_on = torch.is_grad_enabled()
-    needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, b)]
     as_tensor = isinstance(num_items_in_batch, torch.Tensor)
     loss, z_loss, argmax, entropy, *_ = torch.ops.liger_patch.flce(
         h2d,
@@ -71,9 +74,20 @@ def _fused(
         num_items_in_batch if as_tensor else None,
         None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
         opts.key,
-        needs,
+        needs if u is not None else needs[:3],
+        **({} if u is None else {"low_rank_u": u.reshape(labels.numel(), u.shape[-1]), "low_rank_b": b}),
     )
     return outputs.pack(opts, labels, loss, z_loss, argmax, entropy)
+
+
+def _low_rank_inputs(low_rank, hidden, weight) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(u, B)`` checked (``low_rank.check_low_rank``), u cast as autocast cast the hidden states
+    (B, like the weight, is rounded by the op itself), or ``(None, None)``."""
+    if low_rank is None:
+        return None, None
+    u, b = low_rank
+    check_low_rank(hidden, weight, u, b)
+    return u.to(hidden.dtype) if torch.is_autocast_enabled(hidden.device.type) else u, b
 
 
 def fused_loss(
@@ -85,13 +99,16 @@ def fused_loss(
     options: LossOptions = DEFAULT_OPTIONS,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     class_weight: torch.Tensor | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     **overrides: Any,
 ):
     """:func:`fused_linear_cross_entropy` with its options already built: ``options`` with
     ``overrides`` applied (built once per distinct call under ``torch.compile``, as a constant).
-    The patched forward calls this."""
+    The patched forward calls this. ``low_rank`` ``(u, B)``, u (..., r) with the hidden states'
+    leading shape and B (V, r), adds ``u B^T`` to the logits (a LoRA adapter on the head:
+    ``low_rank.py``), and u and B get their gradients."""
     options = build_options(options.key, **constant_changes(overrides))
-    return _fused(hidden, weight, labels, bias, options, num_items_in_batch, class_weight)
+    return _fused(hidden, weight, labels, bias, options, num_items_in_batch, class_weight, low_rank)
 
 
 def fused_linear_cross_entropy(

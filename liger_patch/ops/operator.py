@@ -12,6 +12,9 @@
   retained graph); then ``liger_patch::flce_backward`` recomputes the logits with exact
   per-row coefficients, which is also the path for reduction "none".
 * Every option travels as ``LossOptions.key`` (one string), tensors as tensors.
+* An optional low-rank term ``(u, B)`` adds ``u B^T`` to the logits (a LoRA adapter on the head:
+  ``low_rank.py``); ``needs`` then has five entries (hidden, weight, bias, u, B) and their
+  gradients are the last two outputs.
 * A fake implementation gives every output's shape from the inputs' (symbolic) shapes, so a
   compiled caller is not specialised to the token count.
 
@@ -24,15 +27,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops import budget, validation
+from liger_patch.ops import budget
 from liger_patch.ops.backends import Backend, pick
 from liger_patch.ops.chunked import ChunkResult, run_chunks
+from liger_patch.ops.double_backward import differentiable_grads
+from liger_patch.ops.kept_rows import checked_labels
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
-from liger_patch.ops.torch_ce import ce_rows_torch, final_logits, row_entropy
 
 _F32 = torch.float32
+
+
+def _low_rank_needs(needs: list[bool]) -> tuple[bool, bool]:
+    """Whether u and B want gradients: ``needs``' entries 4 and 5 (absent: no)."""
+    return (len(needs) > 3 and needs[3], len(needs) > 4 and needs[4])
+
+
+def _low_rank(u: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    return None if u is None else (u, b)
 
 
 def _precompute(opts: LossOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
@@ -49,33 +62,6 @@ def class_weight_record(class_weight: Tensor | None) -> ClassWeight | None:
         return None
     weight = class_weight.to(_F32).contiguous()
     return ClassWeight(weight, weight.sum())
-
-
-def _checked_labels(
-    labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float, num_items: Tensor | None
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
-    does, in one host sync, which also reads the number of kept labels: with at least
-    ``Tuning.skip_ignored_share`` of them ignored, the third result is the kept rows' index
-    (``run_chunks``'s ``row_index``), else ``None``.
-
-    While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned into
-    ``ignore_index`` (kernels never index with them), every row is computed, and the second result
-    is a 0-d factor, NaN when anything was bad and 1 otherwise, that the caller multiplies every
-    result by."""
-    user_divisor = divisor if num_items is not None else None
-    if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
-        n_kept = validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
-        if not opts.tuning.skips_ignored(labels.shape[0], n_kept):
-            return labels, None, None
-        kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)
-        return labels, None, kept
-    bad_rows = (labels != opts.ignore_index) & ((labels < 0) | (labels >= vocab))
-    bad = bad_rows.any()
-    if user_divisor is not None:
-        bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
-    nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
-    return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one), None
 
 
 def _budget_bytes(
@@ -118,15 +104,18 @@ def flce(
     num_items_value: float | None,
     options: str,
     needs: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    low_rank_u: Tensor | None = None,
+    low_rank_b: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward: ``(loss, z_loss, argmax, entropy, lse, row_weight, token_scale, grad_hidden,
-    grad_weight, grad_bias)``; hidden (N, H), labels (N,). Outputs not asked for are empty.
-    ``needs`` says which of hidden, weight, bias want gradients."""
+    grad_weight, grad_bias, grad_u, grad_b)``; hidden (N, H), labels (N,), u (N, r), B (V, r).
+    Outputs not asked for are empty. ``needs`` says which of hidden, weight, bias (u, B) want
+    gradients."""
     opts = LossOptions.from_key(options)
     labels = labels.long().contiguous()  # kernels index labels by row
     cw = class_weight_record(class_weight)
     divisor = loss_divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
-    labels, poison, kept_rows = _checked_labels(labels, weight.shape[0], opts, divisor, num_items)
+    labels, poison, kept_rows = checked_labels(labels, weight.shape[0], opts, divisor, num_items)
     keep = labels != opts.ignore_index
     row_weight = row_weights(keep, opts.reduction, divisor)
     if poison is not None:
@@ -150,6 +139,8 @@ def flce(
             class_weight=cw,
             outputs=outputs,
             row_index=kept_rows,
+            low_rank=_low_rank(low_rank_u, low_rank_b),
+            need_low_rank=tuple(precompute and n for n in _low_rank_needs(needs)),
         )
     if opts.z_loss_scale == 0.0:  # the common case: no z-loss rows to make and add (launches)
         loss = reduce_rows(res.ce, opts.reduction, divisor)
@@ -175,11 +166,25 @@ def flce(
         given(res.grad_hidden),
         given(res.grad_weight),
         given(res.grad_bias),
+        given(res.grad_u),
+        given(res.grad_b),
     )
 
 
 @flce.register_fake
-def _flce_fake(hidden, weight, bias, labels, class_weight, num_items, num_items_value, options, needs):
+def _flce_fake(
+    hidden,
+    weight,
+    bias,
+    labels,
+    class_weight,
+    num_items,
+    num_items_value,
+    options,
+    needs,
+    low_rank_u=None,
+    low_rank_b=None,
+):
     opts = LossOptions.from_key(options)
     n = labels.shape[0]
     loss_shape = (n,) if opts.reduction == "none" else ()
@@ -205,6 +210,10 @@ def _flce_fake(hidden, weight, bias, labels, class_weight, num_items, num_items_
         grad_like(hidden, needs[0]),
         grad_like(weight, needs[1]),
         grad_like(bias, needs[2]),
+        *(
+            grad_like(t, need)
+            for t, need in zip((low_rank_u, low_rank_b), _low_rank_needs(needs), strict=True)
+        ),
     )
 
 
@@ -222,9 +231,11 @@ def flce_backward(
     entropy: Tensor | None,
     options: str,
     needs: list[bool],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of hidden, weight and bias (empty where not needed) from recomputed logits, with
-    per-row coefficients of d ce, d z-loss and (``entropy_coef``) d entropy."""
+    low_rank_u: Tensor | None = None,
+    low_rank_b: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of hidden, weight, bias, u and B (empty where not needed) from recomputed
+    logits, with per-row coefficients of d ce, d z-loss and (``entropy_coef``) d entropy."""
     opts = LossOptions.from_key(options)
     entropy_grad = None if entropy_coef is None else EntropyGrad(entropy_coef.float(), entropy)
     res = recompute_grads(
@@ -238,10 +249,10 @@ def flce_backward(
         coef_ce=coef_ce,
         coef_z=coef_z,
         entropy_grad=entropy_grad,
+        low_rank=_low_rank(low_rank_u, low_rank_b),
     )
-    return tuple(
-        g if g is not None else _empty(hidden) for g in (res.grad_hidden, res.grad_weight, res.grad_bias)
-    )
+    grads = (res.grad_hidden, res.grad_weight, res.grad_bias, res.grad_u, res.grad_b)
+    return tuple(g if g is not None else _empty(hidden) for g in grads)
 
 
 def recompute_grads(
@@ -256,11 +267,13 @@ def recompute_grads(
     coef_ce: Tensor,
     coef_z: Tensor,
     entropy_grad: EntropyGrad | None,
+    low_rank: tuple[Tensor, Tensor] | None = None,
 ) -> ChunkResult:
     """The gradients of ``inputs`` (hidden, weight, bias) that ``needs`` asks for, from logits
     recomputed with the rows' log-sum-exp ``lse`` and per-row coefficients of d ce, d z-loss and
     (``entropy_grad``) d entropy: the backward of ``flce`` and of the vocabulary-parallel loss
-    (whose ``backend`` reads a shard's columns of wider rows)."""
+    (whose ``backend`` reads a shard's columns of wider rows). ``low_rank``: the term ``(u, B)``,
+    whose gradients ``needs``' entries 4 and 5 ask for."""
     hidden, weight, bias = inputs
     with torch.autocast(hidden.device.type, enabled=False):
         return run_chunks(
@@ -279,16 +292,33 @@ def recompute_grads(
             need_bias=needs[2] and bias is not None,
             class_weight=class_weight_record(class_weight),
             entropy_grad=entropy_grad,
+            low_rank=low_rank,
+            need_low_rank=_low_rank_needs(needs),
         )
 
 
 @flce_backward.register_fake
 def _flce_backward_fake(
-    hidden, weight, bias, labels, class_weight, lse, coef_ce, coef_z, entropy_coef, entropy, options, needs
+    hidden,
+    weight,
+    bias,
+    labels,
+    class_weight,
+    lse,
+    coef_ce,
+    coef_z,
+    entropy_coef,
+    entropy,
+    options,
+    needs,
+    low_rank_u=None,
+    low_rank_b=None,
 ):
     return tuple(
         t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0, dtype=_F32)
-        for t, need in zip((hidden, weight, bias), needs, strict=True)
+        for t, need in zip(
+            (hidden, weight, bias, low_rank_u, low_rank_b), (*needs[:3], *_low_rank_needs(needs)), strict=True
+        )
     )
 
 
@@ -306,19 +336,22 @@ def _scale_grads_fake(grads, scale, options) -> None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, labels, class_weight, _, _, options, needs = inputs
-    _, _, argmax, entropy, lse, row_weight, token_scale, grad_h, grad_w, grad_b = output
+    hidden, weight, bias, labels, class_weight, _, _, options, needs, *term = inputs
+    _, _, argmax, entropy, lse, row_weight, token_scale, *pre = output
     opts = LossOptions.from_key(options)
     ctx.set_materialize_grads(False)  # an output nobody used gives None, not zeros to compute with
-    ctx.mark_non_differentiable(argmax, lse, row_weight, token_scale, grad_h, grad_w, grad_b)
+    ctx.mark_non_differentiable(argmax, lse, row_weight, token_scale, *pre)
     if not opts.return_entropy:
         ctx.mark_non_differentiable(entropy)
-    ctx.save_for_backward(hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy)
+    u, b = (*term, None, None)[:2]
+    ctx.save_for_backward(
+        hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy, u, b
+    )
     # Not saved tensors: the backward scales them in place, which a retained graph's version check
     # would then refuse; a second backward recomputes instead (``precomputed`` is cleared).
     ctx.precomputed = _precompute(opts, hidden.dtype, needs)
-    ctx.pre = (grad_h, grad_w, grad_b) if ctx.precomputed else None
-    ctx.options, ctx.needs = options, needs
+    ctx.pre = tuple(pre) if ctx.precomputed else None
+    ctx.options, ctx.needs = options, [*needs[:3], *_low_rank_needs(needs)]
     ctx.head_shapes = _shapes(weight, bias)
 
 
@@ -342,10 +375,15 @@ def _check_head_whole(ctx, weight: Tensor, bias: Tensor | None) -> None:
 
 
 def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
-    hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy = ctx.saved_tensors
+    hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy, u, b = (
+        ctx.saved_tensors
+    )
     opts = LossOptions.from_key(ctx.options)
     if torch.is_grad_enabled():  # create_graph=True: a graph for a second derivative
-        return _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy)
+        _check_head_whole(ctx, weight, bias)
+        saved = (hidden, weight, bias, labels, row_weight, token_scale, u, b)
+        cw = class_weight_record(class_weight)
+        return _input_grads(differentiable_grads(saved, opts, ctx.needs, cw, grad_loss, grad_z, grad_entropy))
     z_grad_matters = grad_z is not None and opts.z_loss_scale != 0.0
     # Whichever way this backward goes, the node holds the forward's gradients no longer (they
     # are scaled in place below, or not needed): a second backward recomputes.
@@ -355,7 +393,7 @@ def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
         grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
         scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
         torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), ctx.options)
-        return (*grads, *_NO_INPUT_GRADS)
+        return _input_grads(grads)
 
     _check_head_whole(ctx, weight, bias)
     zero = torch.zeros((), dtype=_F32, device=hidden.device)
@@ -375,52 +413,19 @@ def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
         None if grad_entropy is None else entropy,
         ctx.options,
         ctx.needs,
+        u,
+        b,
     )
-    return (*(g if need else None for g, need in zip(grads, ctx.needs, strict=True)), *_NO_INPUT_GRADS)
+    return _input_grads([g if need else None for g, need in zip(grads, ctx.needs, strict=True)])
 
 
 _NO_INPUT_GRADS = (None,) * 6  # labels, class_weight, num_items, num_items_value, options, needs
 
 
-def _differentiable_grads(ctx, grad_loss, grad_z, grad_entropy) -> tuple:
-    """The input gradients as a graph of plain PyTorch ops, for ``create_graph=True``.
-
-    A second derivative (a gradient penalty, a Hessian-vector product) needs the first one to be
-    differentiable. This recomputes the loss densely in fp32 (the full ``tokens x vocab`` logits:
-    the memory saving does not apply to this rarely used path) and lets autograd differentiate
-    it, keeping the graph. The loss is ``sum_i row_weight_i (ce_i + zl_i)`` for every reduction
-    (per row for "none"), as the forward computes it; the entropy's rows are recomputed too.
-    """
-    hidden, weight, bias, labels, class_weight, _, row_weight, token_scale, _ = ctx.saved_tensors
-    opts = LossOptions.from_key(ctx.options)
-    _check_head_whole(ctx, weight, bias)
-    # Fresh views: when one input is a view of another (hidden = weight[:N]), autograd.grad with
-    # respect to the inputs themselves would count the path through the other one twice.
-    hidden, weight, bias = (None if t is None else t.view_as(t) for t in (hidden, weight, bias))
-    inputs = [t for t, need in zip((hidden, weight, bias), ctx.needs, strict=True) if need]
-    logits = hidden.float() @ weight.to(hidden.dtype).float().t()  # rounded as the forward's GEMMs
-    if bias is not None:
-        logits = logits + bias.float()
-    labels = labels.long()
-    ce, lse = ce_rows_torch(logits, labels, opts, class_weight=class_weight_record(class_weight))
-    if opts.use_token_scaling:
-        row_weight = row_weight * token_scale
-    z_rows = row_weight * z_loss_rows(lse, opts)
-    outputs, upstream = [], []
-    for rows, grad in ((row_weight * ce + z_rows, grad_loss), (z_rows, grad_z)):
-        if grad is not None and rows.requires_grad:
-            outputs.append(rows if opts.reduction == "none" else rows.sum())
-            upstream.append(grad)
-    if grad_entropy is not None:
-        z, _ = final_logits(logits, opts)
-        outputs.append(row_entropy(z, lse, labels != opts.ignore_index))
-        upstream.append(grad_entropy)
-    grads = [None] * len(inputs)
-    if outputs:
-        grads = torch.autograd.grad(outputs, inputs, upstream, create_graph=True, allow_unused=True)
-    # Every input that asked for a gradient gets one, zeros where the loss does not reach it.
-    found = iter(torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True))
-    return (*(next(found) if need else None for need in ctx.needs), *_NO_INPUT_GRADS)
+def _input_grads(grads: list) -> tuple:
+    """The gradients of hidden, weight, bias, u and B in ``flce``'s input order (None for an
+    absent low-rank term)."""
+    return (*grads[:3], *_NO_INPUT_GRADS, *grads[3:], *(None,) * (5 - len(grads)))
 
 
 flce.register_autograd(_backward, setup_context=_setup_context)

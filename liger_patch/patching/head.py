@@ -2,7 +2,8 @@
 
 The head is the module ``get_output_embeddings()`` returns (or the path a registry row names).
 The kernel reads ``head.weight`` and ``head.bias`` directly, so fusing is exact only for a plain
-linear layer with a dense floating-point weight (:func:`fusable_head` says which, or why not).
+linear layer with a dense floating-point weight (:func:`fusable_head` says which, or why not),
+or a PEFT LoRA layer over one (its adapters become the op's low-rank term: ``adapters.py``).
 A head whose weight a sharding wrapper owns is handled in ``sharded_head.py``.
 """
 
@@ -13,11 +14,22 @@ import weakref
 import torch
 import torch.nn as nn
 
-from liger_patch.patching.lazy import lazy_imports
+from liger_patch.patching.adapters import (
+    base_layer,
+    is_lora_head,
+    is_peft_layer,
+    low_rank_term,
+    unfusable_wrapper_reason,
+)
 from liger_patch.patching.registry import ModelSpec, get_submodule_path, missing_path_message
-from liger_patch.patching.sharded_head import head_tensor, is_dtensor, sharded_head_reason
+from liger_patch.patching.sharded_head import (
+    head_tensor,
+    is_dtensor,
+    lora_sharding_reason,
+    sharded_head_reason,
+)
 
-__all__ = ["fusable_head", "head_path", "unfusable_head_message"]
+__all__ = ["adapter_term", "fusable_head", "head_path", "unfusable_head_message"]
 
 _FLOAT8_DTYPES = tuple(getattr(torch, name) for name in dir(torch) if name.startswith("float8_"))
 
@@ -30,12 +42,6 @@ def _active_modules_to_save_copy(head: nn.Module) -> nn.Module:
     if getattr(head, "disable_adapters", False) or not active or active[0] not in head.modules_to_save:
         return head.original_module
     return head.modules_to_save[active[0]]
-
-
-def _is_peft_adapter_layer(module: nn.Module) -> bool:
-    """True for peft tuner layers (LoRA & co.): their ``.weight`` is the base weight only."""
-    tuner_layer = lazy_imports()["peft_tuner_layer"]
-    return isinstance(module, tuner_layer) or type(module).__module__.startswith("peft.tuners")
 
 
 def _weight_reason(head: nn.Linear, where: str) -> str:
@@ -90,38 +96,50 @@ def head_path(model: nn.Module, spec: ModelSpec) -> str | None:
     return path
 
 
-def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Linear | None, str, str]:
-    """``(head, "", path)``: the ``nn.Linear`` whose weight/bias the fused loss may use and the
-    attribute path it sits at, or ``(None, reason, path)``.
+def fusable_head(model: nn.Module, spec: ModelSpec) -> tuple[nn.Module | None, str, str]:
+    """``(head, "", path)``: the head the fused loss may use (an ``nn.Linear``, or a PEFT LoRA
+    layer over one, ``adapters.py``) and the attribute path it sits at, or ``(None, reason, path)``.
 
-    A LoRA-wrapped head (the adapter would be silently dropped), a quantized head (packed
-    integer/float8 weight or an overridden forward) and an offloaded head (weight on ``meta``)
-    all take the original path instead. An FSDP2-sharded weight (a DTensor) is fused:
-    ``sharded_head.fused_head_loss`` gathers it; so is a tensor-parallel one sharded over the
-    vocabulary (``Shard(0)``), by the vocabulary-parallel op; other DTensor shardings are not.
+    A PEFT wrapper with no exact fused form (``adapters.unfusable_wrapper_reason``), a quantized
+    head or base layer (packed integer/float8 weight or an overridden forward) and an offloaded
+    head (weight on ``meta``) all take the original path instead. An FSDP2-sharded weight (a
+    DTensor) is fused: ``sharded_head.fused_head_loss`` gathers it; so is a tensor-parallel one
+    sharded over the vocabulary (``Shard(0)``), by the vocabulary-parallel op; other DTensor
+    shardings are not, nor a LoRA layer on a sharded head (``lora_sharding_reason``).
     """
     path = head_path(model, spec)
     if path is None:
         return None, "it has no output projection (get_output_embeddings() returns None)", ""
     head = _active_modules_to_save_copy(get_submodule_path(model, path))
-    if _is_peft_adapter_layer(head):
+    reason = unfusable_wrapper_reason(head, path)
+    if reason:
+        return None, reason, path
+    linear = base_layer(head)
+    where = f"{path}'s LoRA base layer" if linear is not head else path
+    if not isinstance(linear, nn.Linear) or type(linear).forward is not nn.Linear.forward:
         return (
             None,
-            (
-                f"its {path} is a PEFT adapter layer ({type(head).__name__}, e.g. LoRA on lm_head), whose "
-                "weight is the base weight only; fusing would drop the adapter. Use "
-                "modules_to_save=['lm_head'] instead of targeting lm_head with LoRA to keep the fused loss"
-            ),
+            f"its {where} is a {type(linear).__name__}, not a plain nn.Linear (a quantized or custom layer)",
             path,
         )
-    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        return (
-            None,
-            f"its {path} is a {type(head).__name__}, not a plain nn.Linear (a quantized or custom layer)",
-            path,
-        )
-    reason = sharded_head_reason(model, head) or _weight_reason(head, path)
+    reason = sharded_head_reason(model, linear) or _weight_reason(linear, where)
+    if not reason and is_lora_head(head):
+        reason = lora_sharding_reason(model, head, linear)
     return (None, reason, path) if reason else (head, "", path)
+
+
+def adapter_term(
+    model: nn.Module, spec: ModelSpec, hidden: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, str]:
+    """For a caller that reads the head's weight itself (TRL's fused head): the low-rank term of
+    the model's LoRA head for ``hidden`` (``adapters.low_rank_term``, ``None`` for a head with no
+    adapter to add), and ``""``; or ``(None, reason)`` when the head is a PEFT wrapper that cannot
+    be fused (its weight alone would drop the adapter)."""
+    path = head_path(model, spec)
+    if path is None or not is_peft_layer(_active_modules_to_save_copy(get_submodule_path(model, path))):
+        return None, ""
+    head, reason, _ = fusable_head(model, spec)
+    return (None, reason) if head is None else (low_rank_term(head, hidden), "")
 
 
 def unfusable_head_message(model: nn.Module, reason: str) -> str:

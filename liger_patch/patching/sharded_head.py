@@ -49,6 +49,7 @@ import torch.nn as nn
 from liger_patch.ops.fused_linear_ce import fused_loss
 from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
 from liger_patch.ops.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.patching.adapters import is_lora_head, low_rank_term
 
 __all__ = [
     "HeadShard",
@@ -58,6 +59,7 @@ __all__ = [
     "head_weight_is_managed",
     "is_dtensor",
     "is_zero3_partitioned",
+    "lora_sharding_reason",
     "sharded_head_reason",
     "vocab_shard",
     "vocab_shard_problem",
@@ -222,6 +224,22 @@ def sharded_head_reason(model: nn.Module, head: nn.Module) -> str:
     return f"{problem}; the original sharded head runs"
 
 
+def lora_sharding_reason(model: nn.Module, lora: nn.Module, base: nn.Module) -> str:
+    """Why a LoRA head cannot be fused because of how its weights are sharded (``""`` when they
+    are not): the op would need its low-rank factors gathered with the base weight inside the head's
+    call (FSDP2 unit, ZeRO-3) or sharded with it over the vocabulary (tensor parallelism)."""
+    tensors = (head_tensor(base, "weight"), *(p for _, p in lora.named_parameters()))
+    if is_dtensor(tensors[0]) and not _under_fsdp2(model):
+        return "it is a LoRA layer on a tensor-parallel head (no vocabulary-parallel low-rank term)"
+    if (
+        head_weight_is_managed(base)
+        or isinstance(lora, _fsdp_module_class())
+        or any(map(is_zero3_partitioned, tensors))
+    ):
+        return "it is a LoRA layer on a head whose weights FSDP2 (as its own unit) or ZeRO-3 gathers per call"
+    return ""
+
+
 def _check_gathered(head: nn.Module) -> None:
     """Raise :class:`ShardedHeadError` if a ZeRO-3 head tensor was not gathered for the head's call."""
     for name, tensor in (("weight", head.weight), ("bias", getattr(head, "bias", None))):
@@ -288,9 +306,15 @@ def fused_head_loss(
     is computed inside ``head``'s own call, so the weight is gathered before it, the gradient is
     reduced after it, and the backward re-gathers it, exactly as for ``head(hidden)``. A head
     sharded over the vocabulary (tensor parallelism) gets the vocabulary-parallel op on its
-    local rows; any other head calls the op directly.
+    local rows; any other head calls the op directly. A PEFT LoRA head (``adapters.py``) runs
+    the op on its base layer with its active adapters as the low-rank term.
     """
     loss_kwargs = dict(options=options, num_items_in_batch=num_items_in_batch, **overrides)
+    if is_lora_head(head):
+        term = low_rank_term(head, hidden)
+        head = head.get_base_layer()
+        if term is not None:
+            loss_kwargs["low_rank"] = term
     if not head_weight_is_managed(head):
         return _op_on_head_tensors(head, hidden, labels, **loss_kwargs)
     return _inside_head_call(head, hidden, labels, **loss_kwargs)

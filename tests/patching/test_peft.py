@@ -1,4 +1,5 @@
-"""PEFT: LoRA on attention fuses; LoRA on lm_head falls back (one warning); modules_to_save fuses."""
+"""PEFT: LoRA on attention fuses; modules_to_save on lm_head fuses with the trainable copy.
+(LoRA and the other wrappers on lm_head: test_peft_head.py.)"""
 
 from __future__ import annotations
 
@@ -36,27 +37,19 @@ def test_lora_on_attention_is_fused_and_trains_identically():
     assert_records_match(train_steps(patched), train_steps(reference), tolerances(device_and_dtype()[1]))
 
 
-def test_lora_on_lm_head_falls_back_with_one_warning():
-    reference, patched = lora_pair(target_modules=["q_proj", "lm_head"])
-    with pytest.warns(UserWarning, match="LoRA on lm_head") as caught:
-        lp.apply_liger_to(patched)
-    assert len([w for w in caught if "liger_patch" in str(w.message)]) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning at run time
-        out = patched(**make_batch())
-    assert out.logits is not None  # the original path ran: the adapter is not dropped
-    assert_records_match(train_steps(patched), train_steps(reference), tolerances(device_and_dtype()[1]))
-
-
-def test_lora_added_to_lm_head_after_patching_warns_at_run_time():
+def test_lora_added_to_lm_head_after_patching_is_fused():
     base = tiny_model("llama")
     lp.apply_liger_to(base)
     model = peft.get_peft_model(
         base, peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False, lora_dropout=0.0)
     )
-    with pytest.warns(UserWarning, match="PEFT adapter layer"):
+    reference = copy.deepcopy(model)
+    lp.revert_liger(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = model(**make_batch())
-    assert out.logits is not None
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, reference(**make_batch()).loss, rtol=1e-5, atol=1e-5)
 
 
 def test_modules_to_save_lm_head_fuses_with_the_trainable_copy():
