@@ -1,7 +1,6 @@
 """Offline stand-ins for the TRL examples (and their tests): a byte-level tokenizer with a chat
 template, a tiny random Llama that covers it, and small SFT, preference and prompt datasets.
-Nothing is downloaded. Not an example itself: ``trl_sft.py``, ``trl_dpo.py`` and
-``trl_grpo.py`` import it."""
+Nothing is downloaded. Not an example itself: the TRL examples (``trl_*.py``) import it."""
 
 from __future__ import annotations
 
