@@ -249,18 +249,35 @@ def _note_bypass(state: PatchState, reason: str) -> None:
 _WARNED_OPTIONS: weakref.WeakValueDictionary[int, PatchState] = weakref.WeakValueDictionary()
 
 
-def _warn_unused_loss_options(state: PatchState) -> None:
-    """Say once per patch which of its loss-math options TRL's fused head does not apply."""
+def warn_unused_loss_options(
+    state: PatchState,
+    warned: weakref.WeakValueDictionary,
+    because: str,
+    where: str,
+    stacklevel: int = 5,
+) -> None:
+    """Say once per patch (``warned``: the patches already told, one registry per TRL path) which
+    of its loss-math options a TRL loss does not apply: ``because`` says why, ``where`` where."""
     changed = state.options.changed()
     unused = [name for name in LOSS_OPTIONS if name in changed]
-    if unused and _WARNED_OPTIONS.get(id(state)) is not state:
-        _WARNED_OPTIONS[id(state)] = state
+    if unused and warned.get(id(state)) is not state:
+        warned[id(state)] = state
         warnings.warn(
-            f"liger_patch: TRL computes its loss from the per-token log-probs alone; the patch's "
-            f"{', '.join(unused)} do not apply under TRL's fused LM head (use TRL's own settings).",
+            f"liger_patch: {because}; the patch's {', '.join(unused)} do not apply {where} "
+            "(use TRL's own settings).",
             UserWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
+
+
+def _warn_unused_loss_options(state: PatchState) -> None:
+    """Say once per patch which of its loss-math options TRL's fused head does not apply."""
+    warn_unused_loss_options(
+        state,
+        _WARNED_OPTIONS,
+        "TRL computes its loss from the per-token log-probs alone",
+        "under TRL's fused LM head",
+    )
 
 
 def installed() -> bool:

@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from liger_patch.integrations.trl import install_on_import
+from liger_patch.integrations.trl import install_on_import, warn_unused_loss_options
 from liger_patch.ops.distillation import fused_linear_distillation
 from liger_patch.ops.logprobs import fused_linear_logprobs
-from liger_patch.ops.options import LOSS_OPTIONS
 from liger_patch.patching.sharded_head import is_dtensor, is_zero3_partitioned
 from liger_patch.patching.state import PatchState, patch_state
 
@@ -213,15 +211,9 @@ def used_by_fused_path(state: PatchState) -> None:
     """Mark that the op computed this step's loss (the Trainer callback checks it), and say once
     which of the patch's loss options (z-loss, label smoothing, ...) TRL's divergence has no use for."""
     state.fused_ran = True
-    unused = [name for name in LOSS_OPTIONS if name in state.options.changed()]
-    if unused and _WARNED_OPTIONS.get(id(state)) is not state:
-        _WARNED_OPTIONS[id(state)] = state
-        warnings.warn(
-            f"liger_patch: TRL's distillation loss is its divergence alone; the patch's "
-            f"{', '.join(unused)} do not apply to it (use TRL's own settings).",
-            UserWarning,
-            stacklevel=4,
-        )
+    warn_unused_loss_options(
+        state, _WARNED_OPTIONS, "TRL's distillation loss is its divergence alone", "to it"
+    )
 
 
 # --- the hook --------------------------------------------------------------------------------
