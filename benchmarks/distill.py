@@ -48,6 +48,15 @@ head pairs at N = 2048, 4096, 8192, 16384 each; index 2 is the issue's shape.
     python benchmarks/distill.py --points 4:8 --no-fp64-check --out docs/results/distill_4_8.json
     python benchmarks/distill.py --points 8:12 --no-fp64-check --out docs/results/distill_8_12.json
     python benchmarks/distill.py --smoke      # tiny shapes on the CPU: every peer runs and agrees
+
+Run time (estimated, not yet measured on a GPU): at ``--rep-ms 300`` timing an implementation
+takes 1-10 s per point (dense_eager, the slowest, at about 7x the floor); the compiles dominate:
+dense_compile compiles for each point (static shapes, some 20-40 s), liger_jsd once per pair (its
+chunk of 1024 tokens has one shape), the fp64 check compiles both once more. A pair of heads
+(four points) per call, as above, takes a few minutes; each row's ``wall_s`` and each cell's
+``warmup_s`` (first call, compile included) in the JSON say what a run took. dense_eager holds
+about eleven fp32 N x V tensors (47.6 GB at the issue's shape), so at N = 16384 its cell is an
+out-of-memory on an 80 GB card, which costs no time.
 """
 
 from __future__ import annotations
