@@ -474,12 +474,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=None, help="write JSON here (a .md table is written beside it)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (backend torch)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
+    if unknown := [impl for impl in args.impls if impl not in IMPLS]:
+        parser.error(f"unknown --impls {unknown}; known: {', '.join(IMPLS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    impls = list(IMPLS) if args.impls == "all" else args.impls.split(",")
+    impls = args.impls
     setting = Setting(beta=args.beta, temperature=args.temperature, backend=args.backend)
     if args.smoke:
         return run_smoke(impls, replace(setting, backend="torch"), args)
@@ -491,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         "(student and teacher logits, grad_h, grad_W); extra = peak allocated minus inputs and the "
         "student's grads",
         "settings": {
-            k: getattr(args, k) for k in ("beta", "temperature", "ignore_frac", "teacher_corr", "backend")
+            k: getattr(args, k)
+            for k in ("beta", "temperature", "ignore_frac", "teacher_corr", "backend", "rep_ms", "rounds")
         },
         "fp64_check": {}
         if args.no_fp64_check
