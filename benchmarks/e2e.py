@@ -11,6 +11,7 @@ memory allocated in the steady state, and the first step's loss (same seed and i
 
     python benchmarks/e2e.py --out docs/results/e2e.json
     python benchmarks/e2e.py --variants unpatched,liger_kernel,liger_patch,liger_kernel,liger_patch --steps 8
+    python benchmarks/e2e.py --ignore-frac 0.25 --out docs/results/e2e_sft.json   # prompts masked
 
 A variant named twice runs twice (interleaved A/B). Model shapes and the memory measure come from
 ``benchmarks/common.py``.
@@ -74,26 +75,35 @@ def build(row: str, variant: str):
     return model, opt, ids
 
 
-def train_step(model, opt, ids, amp: bool):
-    """One optimizer step on ``ids`` (their own labels), the forward under bf16 autocast for
-    ``amp``; returns the loss, detached."""
+def make_labels(ids, ignore_frac: float):
+    """The batch's labels: ``ids`` themselves, with the first ``ignore_frac`` of every sequence
+    set to -100 (an SFT batch whose prompts are masked)."""
+    labels = ids.clone()
+    labels[:, : round(ids.shape[1] * ignore_frac)] = -100
+    return labels
+
+
+def train_step(model, opt, ids, amp: bool, labels=None):
+    """One optimizer step on ``ids`` (their own labels unless ``labels`` are given), the forward
+    under bf16 autocast for ``amp``; returns the loss, detached."""
     import torch
 
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
 
 
-def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
+def run_one(row: str, variant: str, warmup: int, steps: int, ignore_frac: float = 0.0) -> dict:
     import torch
 
     model, opt, ids = build(row, variant)
+    labels = make_labels(ids, ignore_frac)
 
     def step():
-        return train_step(model, opt, ids, amp=ROWS[row][5])
+        return train_step(model, opt, ids, amp=ROWS[row][5], labels=labels)
 
     first_loss = float(step())
     for _ in range(warmup - 1):
@@ -115,6 +125,7 @@ def run_one(row: str, variant: str, warmup: int, steps: int) -> dict:
         "peak_gib": mem.peak / GiB,
         "peak_requested_gib": mem.peak_requested / GiB,
         "first_loss": first_loss,
+        "ignore_frac": ignore_frac,
     }
 
 
@@ -127,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--one", nargs=2, metavar=("ROW", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ignore-frac", type=float, default=0.0, help="share of every sequence's first labels set to -100"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(*args.one, args.warmup, args.steps)))
+        print(json.dumps(run_one(*args.one, args.warmup, args.steps, args.ignore_frac)))
         return 0
 
     results = []
@@ -146,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.warmup),
                 "--steps",
                 str(args.steps),
+                "--ignore-frac",
+                str(args.ignore_frac),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
             if proc.returncode == 0:

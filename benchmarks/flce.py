@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import itertools
+import os
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -117,15 +120,64 @@ def reset_compiled() -> None:
     torch._dynamo.reset()
 
 
+def _torch_linear_ce_source():
+    """PyTorch's chunked ``linear_cross_entropy`` op and its options class, from the installed
+    torch (>= 2.13), else from the two source files of a torch >= 2.13 in the folder that
+    ``TORCH_LCE_SOURCE`` names (``linear_cross_entropy.py``, ``linear_cross_entropy_options.py``
+    from ``torch/nn/modules/``): pure Python on public torch APIs, so an older GPU image can run
+    PyTorch's own code. ``None`` when neither is there."""
+    if hasattr(F, "linear_cross_entropy"):
+        from torch.nn.modules.linear_cross_entropy import _linear_cross_entropy_batch_chunked
+
+        return _linear_cross_entropy_batch_chunked, torch.nn.LinearCrossEntropyOptions
+    folder = os.environ.get("TORCH_LCE_SOURCE")
+    if not folder:
+        return None
+    modules = []
+    for name in ("linear_cross_entropy_options", "linear_cross_entropy"):
+        spec = importlib.util.spec_from_file_location(f"torch_lce_{name}", Path(folder) / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        modules.append(module)
+    return modules[1]._linear_cross_entropy_batch_chunked, modules[0].LinearCrossEntropyOptions
+
+
 def torch_linear_ce(hidden, weight, labels, softcap=None):
-    """PyTorch's own ``F.linear_cross_entropy`` with its chunked path
-    (``options=nn.LinearCrossEntropyOptions()``, torch >= 2.13), the op users will compare first."""
-    if not hasattr(F, "linear_cross_entropy"):
-        raise NotImplementedError(f"torch {torch.__version__} has no F.linear_cross_entropy (2.13+)")
+    """PyTorch's own ``F.linear_cross_entropy`` with its chunked path at its default options
+    (``options=nn.LinearCrossEntropyOptions()``, torch >= 2.13), the op users will compare first:
+    the op that ``F.linear_cross_entropy`` calls for ``reduction="mean"``, with the arguments it
+    passes (``_torch_linear_ce_source`` says where the code comes from)."""
+    source = _torch_linear_ce_source()
+    if source is None:
+        raise NotImplementedError(
+            f"torch {torch.__version__} has no F.linear_cross_entropy (2.13+) and TORCH_LCE_SOURCE is unset"
+        )
     if softcap is not None:
         raise NotImplementedError("F.linear_cross_entropy has no softcap")
-    options = torch.nn.LinearCrossEntropyOptions()
-    return F.linear_cross_entropy(hidden, weight, labels, ignore_index=-100, options=options)
+    op, options_class = source
+    n, h = hidden.shape
+    options = options_class()._adjust(
+        num_batches=n, in_features=h, num_classes=weight.shape[0], dtype=hidden.dtype, device=hidden.device
+    )
+    grads = torch.is_grad_enabled()
+    return op(
+        hidden,
+        weight,
+        labels,
+        None,  # linear_bias
+        None,  # class weights
+        "mean",
+        -100,
+        0.0,  # label smoothing
+        options.batch_chunk_size,
+        options.acc_policy,
+        options.acc_dtype,
+        options.allow_retain_graph,
+        hidden.requires_grad and grads,
+        weight.requires_grad and grads,
+        False,
+    )[0]
 
 
 def liger_kernel(hidden, weight, labels, softcap=None):

@@ -3,6 +3,11 @@ steady-state step (``torch.cuda.memory._record_memory_history``), replayed to th
 requested bytes peak, listed by where each live tensor was allocated.
 
     python benchmarks/experiments/peak_blocks.py llama1b_8x2048 liger_patch liger_kernel
+    IGNORE_FRAC=0.25 python benchmarks/experiments/peak_blocks.py llama1b_8x2048 liger_patch liger_kernel
+
+``IGNORE_FRAC`` masks that share of every sequence's first labels (``e2e.make_labels``). Besides
+the small tensors, each line gives where the peak's last allocation was made (``peak_at``) and
+the live tensors of 1 MiB or more, summed by where they were made (``large``).
 
 Each variant runs in its own process (``e2e.build``: model, AdamW, one batch; two warm-up
 steps, then the recorded step). Prints one JSON line per variant: the peak's requested bytes
@@ -15,13 +20,14 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common and e2e
 from common import need_cuda  # noqa: E402
-from e2e import ROWS, VARIANTS, build, train_step  # noqa: E402
+from e2e import ROWS, VARIANTS, build, make_labels, train_step  # noqa: E402
 
 SMALL = 1 << 20
 
@@ -44,6 +50,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, str]]]:
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, list(live.values())
+                at_peak.append((0, "PEAK_AT " + live[event["addr"]][1]))
         elif action == "free_requested" and event["addr"] in live:
             total -= live.pop(event["addr"])[0]
     return peak, at_peak
@@ -53,21 +60,29 @@ def record(row: str, variant: str) -> dict:
     import torch
 
     model, opt, ids = build(row, variant)
+    labels = make_labels(ids, float(os.environ.get("IGNORE_FRAC", "0")))
     amp = ROWS[row][5]
     for _ in range(2):
-        train_step(model, opt, ids, amp)
+        train_step(model, opt, ids, amp, labels)
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    train_step(model, opt, ids, amp)
+    train_step(model, opt, ids, amp, labels)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, at_peak = live_at_peak(snapshot["device_traces"][0])
+    peak_at = at_peak.pop()[1][len("PEAK_AT ") :]
     small = collections.Counter((size, where) for size, where in at_peak if size < SMALL)
+    large = collections.Counter()
+    for size, where in at_peak:
+        if size >= SMALL:
+            large[where] += size
     return {
         "row": row,
         "variant": variant,
         "peak_over_start": peak,
+        "peak_at": peak_at,
+        "large_mib": sorted(((n / 2**20, w) for w, n in large.items()), reverse=True),
         "live_at_peak": len(at_peak),
         "small": [[size, where, n] for (size, where), n in sorted(small.items())],
     }

@@ -3,6 +3,8 @@ and, when enough are ignored, the index of the kept rows that the token pass the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -10,28 +12,36 @@ from liger_patch.ops import validation
 from liger_patch.ops.options import LossOptions
 
 
+class CheckedLabels(NamedTuple):
+    labels: Tensor
+    poison: Tensor | None
+    kept_rows: Tensor | None
+    n_kept: int | None  # read in the sync; None while a CUDA graph is captured
+
+
 def checked_labels(
-    labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float, num_items: Tensor | None
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float | None, num_items: Tensor | None
+) -> CheckedLabels:
     """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
     does, in one host sync, which also reads the number of kept labels: with at least
-    ``Tuning.skip_ignored_share`` of them ignored, the third result is the kept rows' index
-    (``run_chunks``'s ``row_index``), else ``None``.
+    ``Tuning.skip_ignored_share`` of them ignored, ``kept_rows`` is the kept rows' index
+    (``run_chunks``'s ``row_index``), else ``None``; ``n_kept`` is their number.
 
     While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned into
     ``ignore_index`` (kernels never index with them), every row is computed, and the second result
     is a 0-d factor, NaN when anything was bad and 1 otherwise, that the caller multiplies every
-    result by."""
+    result by. ``divisor`` is the ``num_items_in_batch`` tensor's divisor to check, or ``None``."""
     user_divisor = divisor if num_items is not None else None
     if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
         n_kept = validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
         if not opts.tuning.skips_ignored(labels.shape[0], n_kept):
-            return labels, None, None
+            return CheckedLabels(labels, None, None, n_kept)
         kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)
-        return labels, None, kept
+        return CheckedLabels(labels, None, kept, n_kept)
     bad_rows = (labels != opts.ignore_index) & ((labels < 0) | (labels >= vocab))
     bad = bad_rows.any()
     if user_divisor is not None:
         bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
-    return torch.where(bad_rows, opts.ignore_index, labels), torch.where(bad, nan, one), None
+    sanitized = torch.where(bad_rows, opts.ignore_index, labels)
+    return CheckedLabels(sanitized, torch.where(bad, nan, one), None, None)

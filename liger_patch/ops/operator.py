@@ -33,7 +33,7 @@ from liger_patch.ops.chunked import ChunkResult, run_chunks
 from liger_patch.ops.double_backward import differentiable_grads
 from liger_patch.ops.kept_rows import checked_labels
 from liger_patch.ops.options import LossOptions
-from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
+from liger_patch.ops.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
 
 _F32 = torch.float32
@@ -114,9 +114,15 @@ def flce(
     opts = LossOptions.from_key(options)
     labels = labels.long().contiguous()  # kernels index labels by row
     cw = class_weight_record(class_weight)
-    divisor = loss_divisor(opts, labels != opts.ignore_index, labels, cw, num_items, num_items_value)
-    labels, poison, kept_rows = checked_labels(labels, weight.shape[0], opts, divisor, num_items)
     keep = labels != opts.ignore_index
+    counted = counted_divisor(opts, cw, num_items, num_items_value)
+    # A divisor that is the kept count is read in the label check's sync: no launches for it.
+    divisor = None if counted else loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
+    labels, poison, kept_rows, n_kept = checked_labels(labels, weight.shape[0], opts, divisor, num_items)
+    if poison is not None:  # a captured graph: bad labels became ignored ones
+        keep = labels != opts.ignore_index
+    if counted:
+        divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value, n_kept)
     row_weight = row_weights(keep, opts.reduction, divisor)
     if poison is not None:
         row_weight = row_weight * poison

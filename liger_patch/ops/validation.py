@@ -156,19 +156,23 @@ def check_values(
     ``num_items_in_batch`` tensor that is negative or not finite (ValueError; ``divisor`` is it
     as ``reduction.loss_divisor`` made it, ``None`` when none was given as a tensor). Both are checked on the
     device and read back in one host sync, with the number of labels that are not
-    ``ignore_index``, which is returned."""
+    ``ignore_index``, which is returned. Few launches: the kept labels' least and greatest value
+    and their count come back together (each launch is host time the GPU may wait for)."""
+    if labels.numel() == 0:
+        if divisor is not None and not bool(torch.isfinite(divisor) & (divisor >= 0)):
+            raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
+        return 0
     keep = labels != ignore_index
-    bad_labels = keep & ((labels < 0) | (labels >= vocab))
-    bad = bad_labels.any()
-    bad_divisor = None
+    low, high = torch.aminmax(torch.where(keep, labels, 0))
+    stats = [keep.sum(), low, high]
     if divisor is not None:
-        bad_divisor = ~(torch.isfinite(divisor) & (divisor >= 0))
-        bad = bad | bad_divisor
-    any_bad, n_kept = torch.stack([bad.long(), keep.sum()]).tolist()
-    if not any_bad:
-        return n_kept
-    if bad_divisor is not None and bool(bad_divisor):
+        stats.append((~(torch.isfinite(divisor) & (divisor >= 0))).long())
+    n_kept, low, high, *bad_divisor = torch.stack(stats).tolist()
+    if bad_divisor and bad_divisor[0]:
         raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
+    if low >= 0 and high < vocab:
+        return n_kept
+    bad_labels = keep & ((labels < 0) | (labels >= vocab))
     position = int(bad_labels.nonzero()[0, 0])
     value = int(labels[position])
     raise IndexError(
