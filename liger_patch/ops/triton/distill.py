@@ -4,8 +4,9 @@ and the student's gradient written in place over its logits, in one launch.
 Each program owns one row (token). With x the raw logits stored in the input dtype, each side's
 a = softcap(s' x) has the temperature folded into s' and the cap (``DistillOptions.student`` /
 ``.teacher``); ls = a_s - lse(a_s), lt = a_t - lse(a_t); delta = ls - lt is formed as
-(a_s - a_t) - (lse_s - lse_t), which keeps its accuracy where student and teacher agree. The
-passes over the row (docs/distillation.md counts their bytes):
+(a_s - a_t) - (lse_s - lse_t): where student and teacher nearly agree the first difference is
+exact and only the row's constant carries rounding. The passes over the row
+(docs/distillation.md counts their bytes):
 
 * statistics: both sides' log-sum-exp from the fused GEMM's partials (``triton/logits.py``), or
   one online pass over both rows, which also gives each KL (the mean of a_s - a_t under the
