@@ -1,29 +1,35 @@
 """Token chunks of the distillation loss: per chunk the student's and the teacher's logits
-(``rows x V`` each, the only vocabulary-wide buffers), the row math (``distillation_rows``),
-then ``grad_h = g W_s`` into its rows and ``grad_W_s += g^T h_s``: four GEMMs per kept token
-in the forward (two logits, two gradients), the ``tokens x V`` logits never built.
+(``rows x V`` each, the only vocabulary-wide buffers), the row math, then ``grad_h = g W_s`` into
+its rows and ``grad_W_s += g^T h_s``: four GEMMs per kept token in the forward (two logits, two
+gradients), the ``tokens x V`` logits never built.
 
 Chunks walk the kept tokens only (``kept``: their row numbers), so ignored tokens cost no
-GEMM. Rows per chunk follow from the working memory budget (``budget.working_bytes``): a row
-costs ``ROW_BUFFERS`` fp32 logit rows plus its gathered hidden states and grad_h row.
+GEMM. What a chunk holds depends on the backend (``ChunkMath``): the PyTorch one turns both
+chunks into fp32 log-probabilities (``distillation_rows``; ``ROW_BUFFERS`` fp32 rows of V at its
+peak), the Triton one keeps them in the input dtype and runs one row kernel over both
+(``distillation_triton``). Rows per chunk follow from the working memory budget
+(``budget.working_bytes``) and the backend's bytes per row.
 
 The GEMMs run in the hidden states' dtype on CUDA and in fp32 on the CPU (``gemm.gemm_dtype_for``,
 as the cross-entropy op's); on the CPU a half-precision weight is read through an fp32 copy.
+grad_W is summed in fp32 when the GEMMs run in fp32, else in the weight's dtype (the first chunk
+overwrites it, as the cross-entropy op's weight-dtype sum does); grad_b in fp32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from liger_patch.ops.backends import Backend
 from liger_patch.ops.budget import chunk_rows
 from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.distillation_rows import ROW_BUFFERS, distill_rows, side_log_probs
-from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits
+from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits, mm_into
 from liger_patch.ops.grad_weight_layout import accumulate_grad_weight
-from liger_patch.ops.tuning import DEFAULT_TUNING
 
 _F32 = torch.float32
 
@@ -37,6 +43,21 @@ class Head:
     bias: Tensor | None
 
 
+@dataclass(frozen=True)
+class Side:
+    """One side as the chunk GEMMs read it: hidden (N, H), the weight in the GEMMs' dtype
+    (``w``) and the bias in fp32 (``b``, added in fp32 by the logits GEMM)."""
+
+    hidden: Tensor
+    w: Tensor
+    b: Tensor | None
+
+    @classmethod
+    def of(cls, head: Head) -> Side:
+        w = head.weight.to(gemm_dtype_for(head.hidden))
+        return cls(head.hidden, w, None if head.bias is None else head.bias.float())
+
+
 @dataclass
 class DistillResult:
     """Per-token losses (N,) fp32, 0 at ignored tokens, and the student's gradients asked for
@@ -48,15 +69,7 @@ class DistillResult:
     grad_bias: Tensor | None = None
 
 
-def distill_chunk_rows(n_rows: int, vocab: int, student_width: int, teacher_width: int, budget: int) -> int:
-    """Token rows per chunk within ``budget`` bytes of working memory (at least one): each row
-    takes ``ROW_BUFFERS`` fp32 rows of V, its gathered student and teacher hidden states and its
-    grad_h row (fp32 elements at most)."""
-    width = ROW_BUFFERS * vocab + 2 * student_width + teacher_width
-    return chunk_rows(width, budget, _F32.itemsize, DEFAULT_TUNING, n_rows)
-
-
-class _Rows:
+class Rows:
     """The rows a chunk covers: ``[start, stop)`` of every row, or of the kept rows' index."""
 
     def __init__(self, start: int, stop: int, kept: Tensor | None) -> None:
@@ -73,10 +86,108 @@ class _Rows:
             dst.index_copy_(0, self.index, values.to(dst.dtype))
 
 
-def _operand(head: Head) -> tuple[Tensor, Tensor | None]:
-    """The weight as the GEMMs read it, and the bias in fp32 (added in fp32 by ``gemm_logits``)."""
-    w = head.weight.to(gemm_dtype_for(head.hidden))
-    return w, None if head.bias is None else head.bias.float()
+@dataclass(frozen=True)
+class ChunkMath:
+    """What a backend does per chunk.
+
+    ``step(rows, student, teacher, labels, coef, opts) -> (loss, g, hs)``: the chunk's losses
+    (rows,) fp32; with ``coef`` ``coef_i * d loss_i / d x`` (rows, V) for the student's raw
+    logits x (else ``None``); and the student's hidden rows as the GEMMs read them. ``labels``
+    and ``coef`` (or ``None``) are whole-length: the step takes its rows of them when it needs them.
+    ``row_bytes(vocab, student, teacher, opts, want_grad, gathers)``: the working bytes a chunk
+    takes per row at its peak (``gathers``: its rows are gathered kept rows, not a slice)."""
+
+    step: Callable[..., tuple[Tensor, Tensor | None, Tensor]]
+    row_bytes: Callable[..., int]
+
+
+def torch_row_bytes(
+    vocab: int, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool, gathers: bool
+) -> int:
+    """``ROW_BUFFERS`` fp32 rows of V, the gathered student and teacher hidden states and a grad_h
+    row (fp32 elements at most)."""
+    return _F32.itemsize * (ROW_BUFFERS * vocab + 2 * student.hidden.shape[1] + teacher.hidden.shape[1])
+
+
+def _torch_step(
+    rows: Rows, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The PyTorch chunk: fp32 logits, straight into ``side_log_probs`` (which frees them as it
+    goes), then ``distill_rows``."""
+    hs = rows.take(student.hidden).to(student.w.dtype)
+    want = coef is not None
+    ls, slope = side_log_probs(gemm_logits(hs, student.w, student.b, _F32), opts.student, want_slope=want)
+    ht = rows.take(teacher.hidden).to(teacher.w.dtype)
+    lt, _ = side_log_probs(gemm_logits(ht, teacher.w, teacher.b, _F32), opts.teacher)
+    del ht
+    loss, g = distill_rows(ls, lt, slope, rows.take(labels), opts, rows.take(coef) if want else None)
+    return loss, g, hs
+
+
+TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
+
+
+def chunk_math(backend: Backend) -> ChunkMath:
+    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton."""
+    if backend.name == "torch":
+        return TORCH_MATH
+    from liger_patch.ops.distillation_triton import triton_math
+
+    return triton_math(backend)
+
+
+class _StudentGrads:
+    """The student's gradient buffers and what each chunk adds to them."""
+
+    def __init__(self, student: Head, ws: Tensor, needs: tuple[bool, bool, bool], total: int, skips: bool):
+        device = student.hidden.device
+        self.grad_hidden = self.grad_sum = self.grad_bias = None
+        if needs[0]:  # skipped rows read as ignored ones: zeros
+            new = torch.zeros if skips else torch.empty
+            self.grad_hidden = new(student.hidden.shape, dtype=student.hidden.dtype, device=device)
+        if needs[1]:  # no chunk to overwrite it: zeros
+            sum_dtype = _F32 if ws.dtype == _F32 else student.weight.dtype
+            new = torch.empty if total else torch.zeros
+            self.grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
+        if needs[2] and student.bias is not None:
+            self.grad_bias = torch.zeros(student.weight.shape[0], dtype=_F32, device=device)
+
+    def add(self, rows: Rows, g: Tensor, hs: Tensor, ws: Tensor) -> None:
+        """One chunk's share, from its gradient ``g`` with respect to the raw logits."""
+        g_gemm = g.to(ws.dtype)
+        if self.grad_hidden is not None:
+            if rows.index is None:
+                mm_into(self.grad_hidden[rows.start : rows.stop], g_gemm, ws)
+            else:
+                rows.put(self.grad_hidden, g_gemm @ ws)
+        if self.grad_sum is not None:
+            accumulate_grad_weight(self.grad_sum, g_gemm, hs, first=rows.start == 0)
+        if self.grad_bias is not None:
+            self.grad_bias += g.sum(dim=0, dtype=_F32)
+
+    def finish(self, res: DistillResult, student: Head) -> None:
+        res.grad_hidden = self.grad_hidden
+        if self.grad_sum is not None:
+            res.grad_weight = self.grad_sum.to(student.weight.dtype)
+        if self.grad_bias is not None:
+            res.grad_bias = self.grad_bias.to(student.bias.dtype)
+
+
+def distill_chunk_rows(
+    math: ChunkMath,
+    total: int,
+    student: Side,
+    teacher: Side,
+    opts: DistillOptions,
+    *,
+    want_grad: bool,
+    gathers: bool,
+    budget: int,
+) -> int:
+    """Token rows per chunk within ``budget`` bytes of working memory (at least one), as the
+    cross-entropy op rounds them (``budget.chunk_rows``)."""
+    row_bytes = math.row_bytes(student.w.shape[0], student, teacher, opts, want_grad, gathers)
+    return chunk_rows(row_bytes, budget, 1, opts.student.tuning, total)
 
 
 @torch.no_grad()
@@ -90,50 +201,29 @@ def run_distill(
     coef: Tensor | None,
     needs: tuple[bool, bool, bool],
     budget_bytes: int,
+    math: ChunkMath = TORCH_MATH,
 ) -> DistillResult:
     """The loss of every token and, with ``coef`` (N,) fp32 (0 at ignored tokens), the gradients
     of ``coef_i * loss_i`` summed, for the student's hidden, weight and bias as ``needs`` asks.
 
-    ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept."""
-    n_rows, vocab = labels.shape[0], student.weight.shape[0]
-    ws, bs = _operand(student)
-    wt, bt = _operand(teacher)
+    ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
+    ``math``: the backend's chunk work (``chunk_math``)."""
+    n_rows = labels.shape[0]
+    s, t = Side.of(student), Side.of(teacher)
     want = coef is not None and any(needs)
     res = DistillResult(loss=torch.zeros(n_rows, dtype=_F32, device=labels.device))
-    new = torch.zeros if kept is not None else torch.empty
-    grad_w_sum = None
-    if want and needs[0]:
-        res.grad_hidden = new(student.hidden.shape, dtype=student.hidden.dtype, device=labels.device)
-    if want and needs[1]:
-        sum_dtype = _F32 if ws.dtype == _F32 else student.weight.dtype
-        grad_w_sum = torch.zeros(student.weight.shape, dtype=sum_dtype, device=labels.device)
-    if want and needs[2] and student.bias is not None:
-        res.grad_bias = torch.zeros(vocab, dtype=_F32, device=labels.device)
     total = n_rows if kept is None else kept.shape[0]
-    step = distill_chunk_rows(total, vocab, student.hidden.shape[1], teacher.hidden.shape[1], budget_bytes)
+    grads = _StudentGrads(student, s.w, needs, total, kept is not None) if want else None
+    step = distill_chunk_rows(
+        math, total, s, t, opts, want_grad=want, gathers=kept is not None, budget=budget_bytes
+    )
     for start in range(0, total, step):
-        rows = _Rows(start, min(start + step, total), kept)
-        hs = rows.take(student.hidden).to(ws.dtype)
-        # The logits go straight into side_log_probs, which frees them as it goes.
-        ls, slope = side_log_probs(gemm_logits(hs, ws, bs, _F32), opts.student, want_slope=want)
-        ht = rows.take(teacher.hidden).to(wt.dtype)
-        lt, _ = side_log_probs(gemm_logits(ht, wt, bt, _F32), opts.teacher)
-        del ht
-        loss, g = distill_rows(ls, lt, slope, rows.take(labels), opts, rows.take(coef) if want else None)
-        del ls, lt, slope
+        rows = Rows(start, min(start + step, total), kept)
+        loss, g, hs = math.step(rows, s, t, labels, coef if want else None, opts)
         rows.put(res.loss, loss)
-        if g is None:
-            continue
-        g_gemm = g.to(ws.dtype)
-        if res.grad_hidden is not None:
-            rows.put(res.grad_hidden, g_gemm @ ws)
-        if grad_w_sum is not None:
-            accumulate_grad_weight(grad_w_sum, g_gemm, hs, first=False)
-        if res.grad_bias is not None:
-            res.grad_bias += g.sum(dim=0)
-        del g, g_gemm  # before the next chunk's buffers are made
-    if grad_w_sum is not None:
-        res.grad_weight = grad_w_sum.to(student.weight.dtype)
-    if res.grad_bias is not None:
-        res.grad_bias = res.grad_bias.to(student.bias.dtype)
+        if g is not None:
+            grads.add(rows, g, hs, s.w)
+        del loss, g, hs  # before the next chunk's buffers are made
+    if grads is not None:
+        grads.finish(res, student)
     return res

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from liger_patch.ops import budget, validation
 from liger_patch.ops import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
-from liger_patch.ops.distillation_chunks import Head, run_distill
+from liger_patch.ops.backends import pick
+from liger_patch.ops.distillation_chunks import ChunkMath, Head, chunk_math, run_distill
 from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
 
@@ -45,6 +46,12 @@ def _budget(opts: DistillOptions, student_hidden: Tensor, n_rows: int) -> int:
     return budget.working_bytes(opts.memory_budget, n_rows, student_hidden.nbytes)
 
 
+def _math(opts: DistillOptions, student_hidden: Tensor) -> ChunkMath:
+    """The chunk work of the backend this call runs (``backends.pick``: "auto" is Triton on CUDA
+    or under ``TRITON_INTERPRET=1``, else torch; "triton" elsewhere raises why)."""
+    return chunk_math(pick(opts.backend, student_hidden.device))
+
+
 @torch.library.custom_op("liger_patch::fused_distill", mutates_args=())
 def fused_distill(
     student_hidden: Tensor,
@@ -62,6 +69,7 @@ def fused_distill(
     """Forward: ``(loss, row_weight, grad_hidden, grad_weight, grad_bias)``; hidden states (N, H_s)
     and (N, H_t), labels (N,). Gradients not computed here are empty."""
     opts = DistillOptions.from_key(options)
+    math = _math(opts, student_hidden)
     labels = labels.long().contiguous()
     keep = labels != opts.ignore_index
     divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
@@ -81,6 +89,7 @@ def fused_distill(
             coef=row_weight if precompute else None,
             needs=tuple(needs),
             budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
+            math=math,
         )
     loss = reduce_rows(res.loss, opts.reduction, divisor)
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
@@ -142,6 +151,7 @@ def fused_distill_backward(
             coef=coef.float(),
             needs=tuple(needs),
             budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
+            math=_math(opts, student_hidden),
         )
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
     return tuple(g if g is not None else _empty(student_hidden) for g in grads)

@@ -27,7 +27,8 @@ class DistillOptions:
     Checked and normalised on construction (numbers become floats; a bad value raises, naming
     the option). ``key`` is every option as one string, ``student`` and ``teacher`` the
     ``LossOptions`` whose ``final_logits`` are that side's final logits divided by the
-    temperature (``backend="torch"``: their scaling helper is the PyTorch one).
+    temperature, with this call's backend (whose scaling kernel the backward uses) and memory
+    budget.
     """
 
     beta: float = 0.0
@@ -53,7 +54,7 @@ class DistillOptions:
         return LossOptions(
             ignore_index=self.ignore_index,
             reduction=self.reduction,
-            backend="torch",
+            backend=self.backend,
             memory_budget=self.memory_budget,
             **temperature_options(self.temperature, logit_scale, softcap),
         )
@@ -80,7 +81,7 @@ DISTILL_OPTION_DOCS = {
     "teacher_softcap": "the same for the teacher's logits",
     "student_logit_scale": "s != 0 multiplies the student's logits before its softcap",
     "teacher_logit_scale": "the same for the teacher's logits",
-    "backend": '"auto" or "torch" (the PyTorch implementation); "triton" is not implemented yet',
+    "backend": '"auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"',
     "memory_budget": "working memory beyond inputs, outputs and gradients, as for "
     '``fused_linear_cross_entropy`` (bytes, a size such as "256MiB", or a named budget)',
 }
@@ -119,11 +120,6 @@ def _checked(opts: DistillOptions) -> dict[str, Any]:
     LossOptions(ignore_index=opts.ignore_index, reduction=opts.reduction, memory_budget=opts.memory_budget)
     if opts.backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
-    if opts.backend == "triton":
-        raise NotImplementedError(
-            "fused_linear_distillation has no Triton kernel yet (issue 30, part 2); use backend='torch' "
-            "or 'auto', which run the PyTorch implementation on every device"
-        )
     temperature = option_float("temperature", opts.temperature)
     if not (math.isfinite(temperature) and temperature > 0.0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")

@@ -1,6 +1,5 @@
 """Bad input to ``fused_linear_distillation`` and its Module: a clear error naming the problem
-(ValueError, TypeError, IndexError, or NotImplementedError for the Triton backend, part 2 of
-issue 30), and the process stays usable."""
+(ValueError, TypeError, IndexError), and the process stays usable."""
 
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ def _call(inputs, **options):
         ("teacher_logit_scale", math.inf, ValueError, "teacher_logit_scale must be a finite non-zero"),
         ("reduction", "batchmean", ValueError, "unknown reduction 'batchmean'"),
         ("backend", "cuda", ValueError, "unknown backend 'cuda'"),
-        ("backend", "triton", NotImplementedError, "no Triton kernel yet"),
         ("memory_budget", "lots", ValueError, "memory_budget 'lots'"),
         ("ignore_index", 1.5, TypeError, "ignore_index must be an int"),
     ],
@@ -60,6 +58,21 @@ def test_bad_option(gen, option, value, error, match):
     with pytest.raises(error, match=match):
         lp.FusedLinearDistillationLoss(**{option: value})
     assert torch.isfinite(_call(inputs))  # still usable
+
+
+def test_triton_backend_needs_cuda_or_the_interpreter(gen, monkeypatch):
+    """Backend "triton" on CPU tensors without ``TRITON_INTERPRET=1`` says what it needs (read on every
+    call); "auto" then runs the PyTorch backend, and with the interpreter the Triton one."""
+    pytest.importorskip("triton")
+    inputs = _inputs(gen)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1"):
+        _call(inputs, backend="triton")
+    on_torch = _call(inputs, beta=0.5)
+    assert torch.equal(on_torch, _call(inputs, beta=0.5, backend="torch"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert torch.equal(_call(inputs, beta=0.5), _call(inputs, beta=0.5, backend="triton"))
+    torch.testing.assert_close(_call(inputs, beta=0.5, backend="triton"), on_torch)
 
 
 def test_unknown_option(gen):

@@ -1,0 +1,100 @@
+"""The Triton backend's chunk of the distillation loss (``distillation_chunks.ChunkMath``).
+
+Per chunk: the teacher's logits, then the student's, each stored in its hidden states' dtype
+(bf16 / fp16 as an unpatched half-precision head stores them; fp32 inputs give fp32), through
+the backend's fused logits GEMM where it takes both chunks (Hopper, half inputs, 16-byte aligned
+rows: ``triton/logits.py``), which leaves each row's log-sum-exp partials, else through cuBLAS.
+Then one row kernel (``triton/distill.py``) gives each row's loss and writes the student's
+gradient over its own logits (into a wider buffer on the CPU, whose GEMMs run in fp32). The
+teacher's chunk is freed before the next chunk is built: at most two ``rows x V`` buffers.
+
+Reverse KL (beta = 1) takes no partials: its online statistics pass gives the log-sum-exps with
+the divergence, which its gradient needs before the last pass, so the partials would save
+nothing and the fused GEMM is a little slower than cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor
+
+from liger_patch.ops.backends import Backend, FusedLogits
+from liger_patch.ops.distillation_chunks import ChunkMath, Rows, Side
+from liger_patch.ops.distillation_options import DistillOptions
+from liger_patch.ops.gemm import chunk_logits, grad_view
+from liger_patch.ops.triton.distill import distill_rows_triton
+
+
+def _fused(backend: Backend, opts: DistillOptions) -> FusedLogits | None:
+    """The fused logits GEMM this call may use: the backend's, unless the tuning turns it off or
+    the divergence is reverse KL."""
+    if opts.beta == 1.0 or not opts.student.tuning.fused_logits:
+        return None
+    return backend.fused_logits
+
+
+def _step(
+    backend: Backend,
+    rows: Rows,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    coef: Tensor | None,
+    opts: DistillOptions,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One chunk (``ChunkMath.step``): both logits chunks, the row kernel, the gradient in place."""
+    hs = rows.take(student.hidden).to(student.w.dtype)
+    ht = rows.take(teacher.hidden).to(teacher.w.dtype)
+    s_dtype, t_dtype = student.hidden.dtype, teacher.hidden.dtype  # the logits' dtypes
+    fused = _fused(backend, opts)
+    tuning = opts.student.tuning
+    both = (
+        fused is not None
+        and fused.supported(hs, student.w, s_dtype, tuning)
+        and fused.supported(ht, teacher.w, t_dtype, tuning)
+    )
+    via = backend if both else None  # partials for both sides or for neither
+    lt, t_parts = chunk_logits(ht, teacher.w, teacher.b, opts.teacher, t_dtype, None, via)
+    del ht
+    ls, s_parts = chunk_logits(hs, student.w, student.b, opts.student, s_dtype, None, via)
+    g = grad_view(ls, student.w.dtype) if coef is not None else None
+    partials = (s_parts[:2], t_parts[:2]) if both else None
+    chunk_coef = None if coef is None else rows.take(coef)
+    loss = distill_rows_triton(ls, lt, rows.take(labels), opts, grad=g, coef=chunk_coef, partials=partials)
+    return loss, g, hs
+
+
+def _row_bytes(
+    backend: Backend,
+    vocab: int,
+    student: Side,
+    teacher: Side,
+    opts: DistillOptions,
+    want_grad: bool,
+    gathers: bool,
+) -> int:
+    """Bytes per row at the chunk's peak, the largest of its three stages: the teacher's GEMM
+    (its hidden rows, logits and partials, beside the student's rows), the row kernel (both
+    logits and partials, the student's rows, and a gradient buffer where it is wider than the
+    student's logits), and the gradient GEMMs (the teacher's chunk freed; grad_h's rows and
+    their cast). Hidden rows count where the chunk copies them (gathered, or cast on the CPU)."""
+    s_logit, t_logit = vocab * student.hidden.element_size(), vocab * teacher.hidden.element_size()
+    fused = _fused(backend, opts)
+    part = 0 if fused is None else fused.partial_bytes_per_row(vocab, opts.student)
+    s_width = student.hidden.shape[1] * student.w.element_size()
+
+    def rows_of(side: Side) -> int:
+        copied = gathers or side.hidden.dtype != side.w.dtype
+        return side.hidden.shape[1] * side.w.element_size() if copied else 0
+
+    grad = vocab * student.w.element_size() if want_grad and student.w.dtype != student.hidden.dtype else 0
+    teacher_gemm = rows_of(student) + rows_of(teacher) + t_logit + part
+    kernel = rows_of(student) + t_logit + s_logit + 2 * part + grad
+    gradients = rows_of(student) + s_logit + grad + (2 * s_width if want_grad else 0)
+    return max(teacher_gemm, kernel, gradients)
+
+
+def triton_math(backend: Backend) -> ChunkMath:
+    """The Triton backend's chunk work (``distillation_chunks.chunk_math``)."""
+    return ChunkMath(step=functools.partial(_step, backend), row_bytes=functools.partial(_row_bytes, backend))

@@ -1,0 +1,312 @@
+"""The Triton backend of ``fused_linear_distillation`` (``ops/distillation_triton.py``, the row
+kernel ``ops/triton/distill.py``), under the Triton interpreter on the CPU.
+
+What both backends share (every option, ignored tokens, reductions, dtypes, layouts, the
+teacher, the backward paths) is tests/ops/test_distillation.py's, run on both. Here: odd sizes
+over several chunks for every kind of beta, with and without the fused logits GEMM's
+log-sum-exp partials (a vocabulary whose rows are 16-byte aligned takes them; an odd one does
+not), agreement with the PyTorch backend, logits kept in the input dtype (bf16 results against
+a reference on the same rounded logits), and the chunk's memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import _disable_current_modes
+
+import liger_patch as lp
+from liger_patch.ops import distillation_triton, gemm
+from liger_patch.ops.backends import pick
+from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES
+from liger_patch.ops.distillation_chunks import Head, run_distill
+from liger_patch.ops.distillation_options import build_distill_options
+from liger_patch.ops.triton import distill as triton_distill
+from liger_patch.ops.triton import logits as triton_logits
+from tests.op_helpers import IGNORE_PATTERNS, examples
+from tests.ops.distillation_cases import (
+    STUDENT,
+    LiveBytes,
+    assert_near,
+    budget_for,
+    check,
+    divergence_input,
+    loss_and_grads,
+    make_case,
+    reduce_reference,
+    reference_rows,
+    rounding_floors,
+    with_dtype,
+)
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+N, HS, HT = 37, 24, 40
+ODD_V, ALIGNED_V = 131, 136  # 136 fp32 or bf16 logits make 16-byte aligned rows: the fused GEMM
+RANDOM_BETA = 0.37
+BF16_ROUNDING = 2.0**-8  # one rounding to bf16, relative (half an ulp is 2^-9)
+
+OPTIONS = {
+    "plain": dict(),
+    "temperature_ce": dict(temperature=2.5, ce_weight=0.3),
+    "caps_scales": dict(
+        temperature=0.8,
+        student_softcap=3.0,
+        teacher_softcap=5.0,
+        student_logit_scale=1.3,
+        teacher_logit_scale=-0.7,
+    ),
+    "ce_only": dict(ce_weight=1.0, temperature=1.7, student_softcap=6.0),
+}
+
+
+@pytest.fixture
+def logits_calls(monkeypatch):
+    """For each logits chunk the Triton chunk made, whether the fused GEMM's partials came with it."""
+    calls = []
+    real = gemm.chunk_logits
+
+    def counted(*args, **kwargs):
+        logits, partials = real(*args, **kwargs)
+        calls.append(partials is not None)
+        return logits, partials
+
+    monkeypatch.setattr(distillation_triton, "chunk_logits", counted)
+    return calls
+
+
+CASES = [
+    (beta, options, [ALIGNED_V, ODD_V][(i + j) % 2])
+    for i, beta in enumerate([0.0, 1.0, 0.5, RANDOM_BETA])
+    for j, options in enumerate(OPTIONS)
+]
+"""Every beta with every option set, each beta and each set with both vocabularies."""
+
+
+@pytest.mark.parametrize(("beta", "options", "vocab"), CASES, ids=str)
+def test_matches_reference_over_chunks(gen, logits_calls, beta, options, vocab):
+    """Every kind of beta against the fp64 reference, in chunks of 10 kept tokens (and a
+    remainder), the reduction cycling over the cases; the partials are taken where the rows are
+    aligned and the divergence can use them (not beta = 1), for both sides of every chunk."""
+    reduction = ["mean", "sum", "none"][CASES.index((beta, options, vocab)) % 3]
+    case = make_case(gen, (N,), HS, HT, vocab, ignore="mixed", bias=options != "plain")
+    check(case, gen, backend="triton", rows=10, beta=beta, reduction=reduction, **OPTIONS[options])
+    fused = vocab == ALIGNED_V and beta != 1.0
+    assert len(logits_calls) >= 2 * 3 and set(logits_calls) == {fused}, logits_calls
+
+
+def test_larger_vocabulary_spans_many_blocks(gen):
+    case = make_case(gen, (N,), HS, HT, 517, ignore="runs")
+    check(case, gen, backend="triton", rows=16, beta=RANDOM_BETA, temperature=1.6, ce_weight=0.3)
+
+
+@pytest.mark.parametrize(("beta", "vocab"), [(0.0, ODD_V), (1.0, ALIGNED_V), (RANDOM_BETA, ALIGNED_V)])
+def test_agrees_with_the_torch_backend(gen, beta, vocab):
+    """fp32 inputs: the two backends' losses and gradients agree to fp32 rounding."""
+    case = make_case(gen, (N,), HS, HT, vocab, ignore="every_other")
+    opts = dict(beta=beta, temperature=1.4, ce_weight=0.2, student_softcap=5.0, reduction="sum")
+    up = torch.tensor(0.7)
+    results = {}
+    for backend in ("torch", "triton"):
+        budget = budget_for(6, case, backend, beta=beta)
+        results[backend] = loss_and_grads(
+            lp.fused_linear_distillation, case, up, backend=backend, memory_budget=budget, **opts
+        )
+    (loss_t, grads_t), (loss_k, grads_k) = results["torch"], results["triton"]
+    torch.testing.assert_close(loss_k, loss_t, rtol=2e-6, atol=2e-6)
+    for name in grads_t:
+        torch.testing.assert_close(
+            grads_k[name], grads_t[name], rtol=2e-5, atol=2e-6 * grads_t[name].abs().max()
+        )
+
+
+def _rounded_logits(case: dict, side: str) -> torch.Tensor:
+    """What the op's chunk holds on the CPU: the fp32 GEMM (plus the fp32 bias) of the bf16
+    inputs, rounded once to bf16, in fp64."""
+    hidden = case[f"{side}_hidden"].detach().float()
+    x = hidden.reshape(-1, hidden.shape[-1]) @ case[f"{side}_weight"].detach().float().T
+    bias = case[f"{side}_bias"]
+    if bias is not None:
+        x = x + bias.detach().float()
+    return x.bfloat16().double()
+
+
+@pytest.mark.parametrize(("beta", "vocab"), [(0.0, ALIGNED_V), (1.0, ODD_V), (RANDOM_BETA, ALIGNED_V)])
+def test_bf16_logits_are_what_the_loss_sees(gen, beta, vocab):
+    """bf16 inputs: the chunks hold bf16 logits (as a bf16 head stores them) and all the math
+    after them is fp32, so the loss matches an fp64 reference computed from the same rounded
+    logits to fp32 accuracy, and each gradient is that reference's, rounded once to bf16. (Against
+    the unrounded reference, bf16 tolerance: test_distillation.py's test_half_precision.)"""
+    case = make_case(gen, (N,), HS, HT, vocab, dtype=torch.bfloat16, ignore="first_and_last")
+    opts = dict(beta=beta, temperature=1.3, ce_weight=0.25, teacher_softcap=4.0, student_logit_scale=0.9)
+    up = torch.tensor(1.0, dtype=torch.float64)
+    xs = _rounded_logits(case, "student").requires_grad_()
+    xt = _rounded_logits(case, "teacher")
+    zs = divergence_input(xs, opts["student_logit_scale"], None)
+    zt = divergence_input(xt, None, opts["teacher_softcap"])
+    math_opts = dict(beta=beta, temperature=opts["temperature"], ce_weight=opts["ce_weight"])
+    ref = reduce_reference(reference_rows(zs, zt, case["labels"], **math_opts), case["labels"])
+    (g_x,) = torch.autograd.grad(ref, xs)
+    h = case["student_hidden"].detach().double().reshape(N, HS)
+    ref_grads = {
+        "student_hidden": (g_x @ case["student_weight"].detach().double()).reshape(
+            case["student_hidden"].shape
+        ),
+        "student_weight": g_x.T @ h,
+        "student_bias": g_x.sum(0),
+    }
+    budget = budget_for(9, case, "triton", beta=beta)
+    loss, grads = loss_and_grads(
+        lp.fused_linear_distillation, case, up.float(), backend="triton", memory_budget=budget, **opts
+    )
+    floors = rounding_floors(with_dtype(case, torch.float64), up, opts)
+    assert_near("loss", loss, ref, 1e-6, floors["loss"])
+    for name in STUDENT:
+        expected = ref_grads[name]
+        assert grads[name].dtype == torch.bfloat16
+        bound = BF16_ROUNDING * expected.abs() + 1e-5 * expected.abs().max() + floors[name]
+        assert ((grads[name].double() - expected).abs() <= bound).all(), name
+
+
+@examples(0.03)
+@given(
+    beta=st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)),
+    temperature=st.floats(0.4, 3.0),
+    ce_weight=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    caps=st.tuples(st.none() | st.floats(1.0, 8.0), st.none() | st.floats(1.0, 8.0)),
+    vocab=st.sampled_from([3, 64, 97, ALIGNED_V]),
+    n=st.integers(1, 13),
+    rows=st.integers(1, 6),
+    ignore=st.sampled_from(IGNORE_PATTERNS),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_reference_drawn(beta, temperature, ce_weight, caps, vocab, n, rows, ignore, reduction, seed):
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(gen, (n,), 8, 12, vocab, bias=bool(seed % 2), ignore=ignore)
+    opts = dict(beta=beta, temperature=temperature, ce_weight=ce_weight, reduction=reduction)
+    check(case, gen, backend="triton", rows=rows, student_softcap=caps[0], teacher_softcap=caps[1], **opts)
+
+
+class _UnseenLaunches:
+    """A kernel whose launches ``LiveBytes`` does not see: the interpreter's copies of the
+    arguments, which a GPU does not make."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            with _disable_current_modes():
+                return launch(*args, **kwargs)
+
+        return run
+
+
+def _hide_launches(monkeypatch, module, kernel) -> None:
+    real = module.jitted
+    monkeypatch.setattr(module, "jitted", lambda fn: _UnseenLaunches(real(fn)) if fn is kernel else real(fn))
+
+
+@pytest.mark.parametrize(("beta", "vocab"), [(RANDOM_BETA, 520), (1.0, 521)])
+def test_working_memory_within_budget(gen, monkeypatch, beta, vocab):
+    """The Triton chunk allocates, beyond the results, no more than the working bytes of its
+    budget (and the per-token share), and comes close to them: its bytes per row
+    (``_row_bytes``) are the true peak. With an aligned vocabulary the partials are among them;
+    reverse KL takes none. (The interpreter's copies of the kernels' arguments are not counted.)"""
+    _hide_launches(monkeypatch, triton_distill, triton_distill._distill_rows_kernel)
+    _hide_launches(monkeypatch, triton_logits, triton_logits._logits_lse_kernel)
+    case = make_case(gen, (48,), 16, 24, vocab, ignore="first")
+    opts = dict(beta=beta, ce_weight=0.5, temperature=2.0, student_softcap=4.0)
+    working = budget_for(10, case, "triton", **opts) - SLACK_BYTES - PER_TOKEN_BYTES * 48
+    labels = case["labels"]
+    student = Head(*(case[k].detach() for k in STUDENT))
+    teacher = Head(case["teacher_hidden"], case["teacher_weight"], case["teacher_bias"])
+    kept = torch.nonzero(labels != -100).view(-1)
+    math = distillation_triton.triton_math(pick("triton", labels.device))
+    coef = torch.full((48,), 0.1)
+    with LiveBytes(*case.values(), kept, coef) as mode:
+        res = run_distill(
+            student,
+            teacher,
+            labels,
+            build_distill_options(backend="triton", **opts),
+            kept=kept,
+            coef=coef,
+            needs=(True, True, True),
+            budget_bytes=working,
+            math=math,
+        )
+    results = [res.loss, res.grad_hidden, res.grad_weight, res.grad_bias]
+    used = mode.peak - sum(t.numel() * t.element_size() for t in results)
+    # Beside the chunk: its rows' labels, coefficients and losses (16 bytes a row), which the
+    # budget's per-token share covers.
+    assert 0.95 * working < used <= working + 16 * 10, (used, working)
+
+
+def test_two_logits_buffers_per_chunk_in_the_input_dtype(gen, monkeypatch):
+    """Each chunk holds the student's and the teacher's logits in their inputs' dtypes (a bf16
+    teacher beside an fp32 student here) and the kernel writes the gradient over the student's
+    (the fp32 GEMMs of the CPU keep it in place for fp32 inputs)."""
+    seen = []
+    real = distillation_triton.distill_rows_triton
+
+    def spy(student, teacher, labels, opts, *, grad=None, coef=None, partials=None):
+        seen.append(
+            (student.dtype, teacher.dtype, grad is not None and grad.data_ptr() == student.data_ptr())
+        )
+        return real(student, teacher, labels, opts, grad=grad, coef=coef, partials=partials)
+
+    monkeypatch.setattr(distillation_triton, "distill_rows_triton", spy)
+    case = make_case(gen, (N,), HS, HT, ODD_V)
+    case.update(
+        with_dtype({k: case[k] for k in ("teacher_hidden", "teacher_weight", "teacher_bias")}, torch.bfloat16)
+    )
+    lp.fused_linear_distillation(**case, beta=0.5, backend="triton").backward()
+    assert seen == [(torch.float32, torch.bfloat16, True)]
+
+
+def test_auto_is_triton_under_the_interpreter(gen, monkeypatch):
+    calls = []
+    real = distillation_triton.distill_rows_triton
+    monkeypatch.setattr(
+        distillation_triton, "distill_rows_triton", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    case = make_case(gen, (5,), 4, 4, 11)
+    lp.fused_linear_distillation(**case)
+    assert calls == [1]
+    lp.fused_linear_distillation(**case, backend="torch")
+    assert calls == [1]
+
+
+def test_extreme_logits_stay_finite(gen):
+    """Logits spread far apart (|a| in the hundreds: probabilities that underflow, a mixture
+    dominated by one side) and tokens whose student and teacher agree exactly give finite
+    losses and gradients, and 0 at ignored tokens."""
+    case = make_case(gen, (9,), 6, 6, ALIGNED_V, spread=400.0, ignore="half")
+    case["teacher_hidden"][:3] = case["student_hidden"].detach()[:3]
+    case["teacher_weight"] = case["student_weight"].detach().clone()
+    case["teacher_bias"] = case["student_bias"].detach().clone()
+    for beta in (0.0, 1.0, RANDOM_BETA):
+        loss = lp.fused_linear_distillation(
+            **case, beta=beta, ce_weight=0.1, reduction="none", backend="triton"
+        )
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and all(torch.isfinite(case[k].grad).all() for k in STUDENT)
+        assert (loss[case["labels"] == -100] == 0).all()
+        for k in STUDENT:
+            case[k].grad = None
+
+
+def test_module_runs_triton(gen):
+    case = make_case(gen, (N,), HS, HT, ODD_V)
+    module = lp.FusedLinearDistillationLoss(beta=RANDOM_BETA, temperature=2.0, backend="triton")
+    expected = lp.fused_linear_distillation(**case, beta=RANDOM_BETA, temperature=2.0, backend="triton")
+    assert torch.equal(module(**case), expected)
+    assert math.isfinite(expected.item())
