@@ -27,8 +27,8 @@ shard, so no pass can do the next one's work while its chunk is hot. Collectives
 same number whatever the chunking: the agreement all-reduce of ``vocab_parallel`` (the ranks agree
 on the tokens and the gradients wanted before anything that could hang; one host sync), one
 all-gather of 2 or 4 numbers per token, one all-reduce of 1 or 2, and the backward's grad_h.
-The teacher's tensors get no gradient; they are kept for the backward as they are (inference
-tensors too). The PyTorch row math runs whatever the backend option says.
+The teacher's tensors get no gradient; the backward reads them again (saved, or kept as they are
+when they are inference tensors). The PyTorch row math runs whatever the backend option says.
 """
 
 from __future__ import annotations
@@ -196,19 +196,25 @@ class _VocabParallelDistill(torch.autograd.Function):
         rows = d if not opts.ce_weight else (1.0 - opts.ce_weight) * d + opts.ce_weight * stats["ce"]
         rows = torch.where(keep, rows, 0.0)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(sh, sw, sb, labels, row_weights(keep, opts.reduction, divisor), sums[-1])
-        # The teacher's tensors get no gradient: kept as they are (inference tensors cannot be saved).
-        ctx.teacher, ctx.stats, ctx.kept, ctx.shard, ctx.opts = (th, tw, tb), stats, kept, shard, opts
+        # The teacher's tensors get no gradient; inference tensors cannot be saved: kept as attributes.
+        teacher = (th, tw, tb)
+        inference = [t is not None and t.is_inference() for t in teacher]
+        ctx.teacher_inference = tuple(t if inf else None for t, inf in zip(teacher, inference, strict=True))
+        saved_teacher = (None if inf else t for t, inf in zip(teacher, inference, strict=True))
+        row_weight = row_weights(keep, opts.reduction, divisor)
+        ctx.save_for_backward(sh, sw, sb, labels, row_weight, sums[-1], *saved_teacher)
+        ctx.stats, ctx.kept, ctx.shard, ctx.opts = stats, kept, shard, opts
         return reduce_rows(rows, opts.reduction, divisor)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        sh, sw, sb, labels, row_weight, row_sum = ctx.saved_tensors
+        sh, sw, sb, labels, row_weight, row_sum, *saved = ctx.saved_tensors
+        teacher = tuple(t if t is not None else i for t, i in zip(saved, ctx.teacher_inference, strict=True))
         needs = ctx.needs_input_grad[:3]
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
         with torch.autocast(sh.device.type, enabled=False):
-            heads = _Heads.of((sh, sw, sb), ctx.teacher, ctx.kept, ctx.opts)
+            heads = _Heads.of((sh, sw, sb), teacher, ctx.kept, ctx.opts)
             dtypes = (sh.dtype, sw.dtype, None if sb is None else sb.dtype)
             grads = _shard_grads(heads, labels, ctx.stats, row_sum, coef, ctx.shard, ctx.opts, needs, dtypes)
         return (*grads, *(None,) * 8)

@@ -20,9 +20,11 @@ import torch
 from tests.distributed.launch import run_workers
 from tests.ops.distillation_vocab_parallel_workers import CASES
 
-# The sharded and whole ops differ in the order of fp32 sums only (over shards, then ranks): a few
-# ulps of the largest value (seen: 3e-7 relative); bf16 inputs share the fp32 math after the GEMMs.
-TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
+# The sharded and whole ops differ in the order of fp32 sums only (a row's log-sum-exp over shards,
+# then ranks): the last bit of a log-sum-exp shifts every log-prob, which the gradients' cancelling
+# terms amplify (seen: up to 1.2e-5 of the largest value, mostly below 3e-6; bf16 5.4e-3). A wrong
+# row sum or a missing all-reduce is 1e-2 or worse.
+TOL = {torch.float32: dict(rtol=5e-5, atol=2e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
 
 
 @pytest.fixture(scope="module")
