@@ -24,8 +24,9 @@ unpatched student, TRL's function runs. Sharded heads go through the op too (``d
 for a tensor TRL passes that FSDP2, ZeRO-3 or tensor parallelism shards, the hook finds the head
 module of the trainer's student or teacher that owns it, and the loss runs where that head's
 tensors are whole (inside its call) or on its vocabulary shard. TRL's function runs, with a
-``LigerBypassWarning`` naming the reason, for a sharded tensor that is no such head's, and for a
-zero logit scale or non-positive softcap (the op refuses them).
+``LigerBypassWarning`` naming the reason, for a sharded tensor that is no such head's, a student
+head that is a DTensor sharded other than over the vocabulary (``RowwiseParallel``), and a zero
+logit scale or non-positive softcap (the op refuses them).
 
 The installers run when ``apply_liger_to`` patches something, through ``integrations.trl``'s
 import hook (now if the TRL module is imported, else when it is); this package imports this module.
@@ -43,7 +44,13 @@ import torch.nn as nn
 
 from liger_patch.integrations.distill_heads import IGNORE, DistillSide, distill_on_heads
 from liger_patch.integrations.trl import install_on_import, warn_unused_loss_options
-from liger_patch.patching.sharded_head import head_tensor, is_dtensor, is_zero3_partitioned
+from liger_patch.patching.sharded_head import (
+    head_tensor,
+    head_weight_is_managed,
+    is_dtensor,
+    is_zero3_partitioned,
+    vocab_shard_problem,
+)
 from liger_patch.patching.state import PatchState, patch_state
 
 __all__ = [
@@ -173,25 +180,31 @@ def _calling_trainer(frame: Any) -> Any:
 
 def _sharded_heads(trainer: Any, arguments: dict[str, Any]) -> tuple[tuple, str | None]:
     """For each side, the head module owning the tensors TRL passed where they are sharded (the
-    loss then reads them where they are whole), ``None`` where they are plain; and the reason
-    TRL's function must run instead (a sharded tensor that is no head's of the trainer's models)."""
+    loss then reads them where they are whole), ``None`` where they are plain; or the reason
+    TRL's function must run instead."""
     heads = []
     for side in ("student", "teacher"):
         weight, bias = arguments[f"{side}_lm_head_weight"], arguments[f"{side}_lm_head_bias"]
-        if not is_sharded(weight, bias):
-            heads.append(None)
-            continue
-        model = (
-            trainer.model if side == "student" else trainer.accelerator.unwrap_model(trainer.teacher_model)
-        )
-        head = _owner(model.get_output_embeddings(), weight)
-        if head is None or head_tensor(head, "bias") is not bias:
-            return (), (
-                f"the {side}'s lm_head tensors are sharded (FSDP2, DeepSpeed ZeRO-3 or tensor parallelism) "
-                f"and are not those of the {side} model's output embeddings, which the fused op would gather"
-            )
+        head, reason = _head_owning(trainer, side, weight, bias) if is_sharded(weight, bias) else (None, None)
+        if reason is not None:
+            return (), reason
         heads.append(head)
     return tuple(heads), None
+
+
+def _head_owning(trainer: Any, side: str, weight: Any, bias: Any) -> tuple[nn.Module | None, str | None]:
+    """The head module of the trainer's ``side`` model that owns these sharded tensors, or why none
+    can serve: no head owns them, or the student's is a DTensor not sharded over the vocabulary
+    (the teacher's is all-gathered whatever its sharding: it needs no gradient)."""
+    model = trainer.model if side == "student" else trainer.accelerator.unwrap_model(trainer.teacher_model)
+    head = _owner(model.get_output_embeddings(), weight)
+    if head is None or head_tensor(head, "bias") is not bias:
+        return None, (
+            f"the {side}'s lm_head tensors are sharded (FSDP2, DeepSpeed ZeRO-3 or tensor parallelism) "
+            f"and are not those of the {side} model's output embeddings, which the fused op would gather"
+        )
+    problem = "" if side == "teacher" or head_weight_is_managed(head) else vocab_shard_problem(head)
+    return (None, f"the student's lm_head cannot be fused: {problem}") if problem else (head, None)
 
 
 def _owner(root: nn.Module | None, weight: torch.Tensor) -> nn.Module | None:

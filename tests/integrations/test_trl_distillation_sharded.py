@@ -121,6 +121,17 @@ def test_tensor_parallel_student_runs_the_vocabulary_parallel_op(torch_results, 
         assert patched["bypass"] is None and patched["head_calls"] == 0
 
 
+def test_a_student_head_sharded_over_the_hidden_dimension_runs_trls_path_and_says_why(torch_results):
+    for result in torch_results:
+        patched, unpatched = (result["tp_rowwise_student"][run] for run in ("patched", "unpatched"))
+        assert patched["ran"] == unpatched["ran"] == {"fused": 0, "vocab_parallel": 0, "trl": 1}
+        assert "not sharded over the vocabulary alone" in patched["bypass"], patched["bypass"]
+        assert (
+            len(patched["warnings"]) == 1 and "TRL's own chunked divergence kernel" in patched["warnings"][0]
+        )
+        _same_step("rowwise", patched, unpatched)
+
+
 @pytest.mark.parametrize("trainer", ["distillation", "gkd"])
 def test_zero3_trains_like_trl(zero3_results, trainer):
     for rank, result in enumerate(zero3_results):

@@ -20,7 +20,9 @@ accelerator, ``beta``, ``temperature``):
   from the teacher's rows, cut from its gathered weight);
 * ``tp_<teacher>``: both trainers' ``compute_loss`` with a student loaded by transformers with
   ``tp_plan="auto"`` (``lm_head`` a ``Shard(0)`` DTensor, V = 1001 split 501/500), the teacher
-  loaded the same way or plain, the same batch on both ranks; reference: the unsharded models.
+  loaded the same way or plain, the same batch on both ranks; reference: the unsharded models;
+* ``tp_rowwise_student``: a student ``lm_head`` sharded over the hidden dimension, which the hook
+  leaves to TRL's own path (saying why).
 
 ``zero3``: ``DistillationTrainer`` and ``GKDTrainer`` themselves under DeepSpeed ZeRO-3 (every
 parameter partitioned, the teacher through TRL's ``prepare_deepspeed``), two SGD steps, with
@@ -380,6 +382,33 @@ def tensor_parallel(teacher_kind: str, paths: dict, counts: Counts) -> dict:
     return out
 
 
+def tp_rowwise_student(paths: dict, counts: Counts) -> dict:
+    """A student ``lm_head`` sharded over the hidden dimension (torch's ``RowwiseParallel``):
+    ``DistillationTrainer``'s own path, patched (which falls back, saying why) and unpatched."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    import liger_patch as lp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    for patched in (False, True):
+        student, teacher = load(paths["student"], False), load(paths["teacher"], False).requires_grad_(False)
+        if patched:
+            lp.apply_liger_to(student, backend="torch")  # before the head is sharded, as a patch finds it
+        parallelize_module(student.lm_head, mesh, RowwiseParallel(input_layouts=Replicate()))
+        batch = distillation_batch(60, 0.0)
+        batch["num_items_in_batch"] = batch["completion_mask"].sum().float()
+        trainer = distillation_trainer(student, teacher, BETA, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = _distillation_step(trainer, student, batch, counts)
+        step["warnings"] = [str(w.message) for w in caught if "liger_patch" in str(w.message)]
+        out["patched" if patched else "unpatched"] = step
+    return out
+
+
 # ------------------------------------------------------------------ DeepSpeed ZeRO-3
 
 
@@ -508,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         results["fsdp2_gkd"] = fsdp2_gkd(counts)
         results["fsdp2_teacher_unit"] = fsdp2_teacher_unit(paths, counts)
         results |= {f"tp_{kind}": tensor_parallel(kind, paths, counts) for kind in ("tp", "plain")}
+        results["tp_rowwise_student"] = tp_rowwise_student(paths, counts)
     else:
         results = zero3(args.out, counts)
     every = [None] * dist.get_world_size()
