@@ -29,14 +29,16 @@ parameter partitioned, the teacher through TRL's ``prepare_deepspeed``), two SGD
 ``LigerPatchCallback`` and without; and ``distill_on_heads`` with a ZeRO-3 teacher engine's head,
 reduction "mean" and "none" (which recomputes from the teacher's head in the backward).
 
-Rank 0 saves ``DIR/<launch>.pt``: per scenario and rank, the losses, metrics, gradients or
-parameters (gathered whole), and what ran (the fused op, the vocabulary-parallel op, TRL's
-kernel, the student's ``lm_head`` call, the patch's bypass reason).
+The ranks run on the CPU over gloo on any machine (GPUs hidden). Rank 0 saves
+``DIR/<launch>.pt``: per scenario and rank, the losses, metrics, gradients or parameters
+(gathered whole), and what ran (the fused op, the vocabulary-parallel op, TRL's kernel, the
+student's ``lm_head`` call, the patch's bypass reason).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import inspect
 import os
 import sys
@@ -48,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers import init_rank, leave_rank, wrap_accelerate_fsdp2
+from tests.distributed.workers import leave_rank, wrap_accelerate_fsdp2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -520,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("launch", choices=("torch", "zero3"))
     args = parser.parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks on any machine (nothing touched CUDA yet)
     warnings.filterwarnings("ignore")
     import trl.experimental.gkd  # noqa: F401  (the hooks install on the TRL modules imported)
     import trl.trainer.distillation_trainer  # noqa: F401
@@ -529,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     assert trl_distillation.install() and trl_gkd.install()
     if args.launch == "zero3":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    init_rank()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     counts = Counts()
     if args.launch == "torch":
         paths = checkpoints(args.out)
