@@ -20,9 +20,13 @@ same three come from the fused op, with TRL's own arguments: the loss from
 ``fused_linear_distillation`` (four GEMMs per kept token, no ``tokens x V`` buffer beyond the
 memory budget's chunks), the entropy from one forward-only pass of ``fused_linear_logprobs`` at
 the temperature (one more logits GEMM: the distillation op does not return the entropy). With an
-unpatched student, TRL's function runs. A head that FSDP2 or ZeRO-3 shards (TRL gathers it inside
-its kernel) or a zero logit scale or non-positive softcap (the op refuses them) runs TRL's
-function too, with a ``LigerBypassWarning`` naming the reason.
+unpatched student, TRL's function runs. Sharded heads go through the op too (``distill_heads``):
+for a tensor TRL passes that FSDP2, ZeRO-3 or tensor parallelism shards, the hook finds the head
+module of the trainer's student or teacher that owns it, and the loss runs where that head's
+tensors are whole (inside its call) or on its vocabulary shard. TRL's function runs, with a
+``LigerBypassWarning`` naming the reason, for a sharded tensor that is no such head's, a student
+head that is a DTensor sharded other than over the vocabulary (``RowwiseParallel``), and a zero
+logit scale or non-positive softcap (the op refuses them).
 
 The installers run when ``apply_liger_to`` patches something, through ``integrations.trl``'s
 import hook (now if the TRL module is imported, else when it is); this package imports this module.
@@ -36,15 +40,20 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn as nn
 
+from liger_patch.integrations.distill_heads import IGNORE, DistillSide, distill_on_heads
 from liger_patch.integrations.trl import install_on_import, warn_unused_loss_options
-from liger_patch.ops.distillation import fused_linear_distillation
-from liger_patch.ops.logprobs import fused_linear_logprobs
-from liger_patch.patching.sharded_head import is_dtensor, is_zero3_partitioned
+from liger_patch.patching.sharded_head import (
+    head_tensor,
+    head_weight_is_managed,
+    is_dtensor,
+    is_zero3_partitioned,
+    vocab_shard_problem,
+)
 from liger_patch.patching.state import PatchState, patch_state
 
 __all__ = [
-    "IGNORE",
     "FusedDivergence",
     "distill_runtime",
     "fall_back",
@@ -56,9 +65,6 @@ __all__ = [
 
 TRL_MODULE = "trl.trainer.distillation_trainer"
 DIVERGENCE_ATTR = "_chunked_divergence_loss"
-IGNORE = -100
-"""TRL's mark of a token that counts for nothing (GKD compares ``labels != -100``)."""
-
 _ARGUMENTS = frozenset(
     (
         *("student_hidden_states", "teacher_hidden_states", "student_lm_head_weight"),
@@ -80,16 +86,20 @@ class FusedDivergence:
         self.signature = inspect.signature(original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        state = _student_patch(sys._getframe(1))
+        trainer = _calling_trainer(sys._getframe(1))
+        state = None if trainer is None else patch_state(trainer.model)
         if state is None:
             return self.original(*args, **kwargs)
         arguments = self._arguments(args, kwargs)
         reason = _why_trl_divergence(arguments)
+        heads: tuple = ()
+        if reason is None:
+            heads, reason = _sharded_heads(trainer, arguments)
         if reason is not None:
             fall_back(state, "chunked divergence kernel", reason)
             return self.original(*args, **kwargs)
         used_by_fused_path(state)
-        return fused_divergence(state, **arguments)
+        return fused_divergence(state, heads, **arguments)
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         try:
@@ -102,6 +112,7 @@ class FusedDivergence:
 
 def fused_divergence(
     state: PatchState,
+    heads: tuple[nn.Module | None, nn.Module | None],
     *,
     student_hidden_states: torch.Tensor,
     teacher_hidden_states: torch.Tensor,
@@ -118,31 +129,25 @@ def fused_divergence(
     teacher_final_logit_softcapping: float | None,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's ``(loss, entropy_sum, n_valid)`` through the fused ops, with the patch's runtime options."""
+    """TRL's ``(loss, entropy_sum, n_valid)`` through the fused ops, with the patch's runtime options.
+    ``heads``: the student's and the teacher's head module where its tensors are sharded (the loss
+    then reads them where they are whole: ``distill_heads``), else ``None``."""
     valid = completion_mask.reshape(-1) != 0
     labels = torch.where(valid, 0, IGNORE)  # which tokens count: there is no cross-entropy term
     student = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
     teacher = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(student.device)
-    student_scale = None if student_logit_scale == 1.0 else student_logit_scale
-    runtime = distill_runtime(state)
-    loss = fused_linear_distillation(
-        student, student_lm_head_weight, teacher, teacher_lm_head_weight, labels,
-        student_lm_head_bias, teacher_lm_head_bias,
-        beta=beta, temperature=temperature, reduction="mean", num_items_in_batch=num_items_in_batch,
+    loss, entropy = distill_on_heads(
+        DistillSide(student, heads[0], student_lm_head_weight, student_lm_head_bias),
+        DistillSide(teacher, heads[1], teacher_lm_head_weight, teacher_lm_head_bias),
+        labels, entropy_backend=state.options.backend, num_items_in_batch=num_items_in_batch,
+        beta=beta, temperature=temperature, reduction="mean",
         student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
-        student_logit_scale=student_scale,
+        student_logit_scale=None if student_logit_scale == 1.0 else student_logit_scale,
         teacher_logit_scale=None if teacher_logit_scale == 1.0 else teacher_logit_scale,
-        **runtime,
+        **distill_runtime(state),
     )  # fmt: skip
-    with torch.no_grad():  # TRL's entropy metric: the student's softmax at the temperature
-        entropy = fused_linear_logprobs(
-            student, student_lm_head_weight, labels, student_lm_head_bias,
-            temperature=temperature, return_entropy=True, ignore_index=IGNORE,
-            softcap=student_final_logit_softcapping, logit_scale=student_scale,
-            backend=state.options.backend, memory_budget=runtime["memory_budget"],
-        ).entropy  # fmt: skip
     return loss, entropy.sum(), valid.sum()
 
 
@@ -151,11 +156,6 @@ def _why_trl_divergence(arguments: dict[str, Any] | None) -> str | None:
     if arguments is None or set(arguments) != _ARGUMENTS:
         return f"this TRL's {DIVERGENCE_ATTR} takes other arguments than TRL 1.16's"
     for side in ("student", "teacher"):
-        if is_sharded(arguments[f"{side}_lm_head_weight"], arguments[f"{side}_lm_head_bias"]):
-            return (
-                f"the {side}'s lm_head is sharded (FSDP2 or DeepSpeed ZeRO-3), which TRL's kernel "
-                "gathers and the fused distillation op does not yet"
-            )
         if arguments[f"{side}_logit_scale"] == 0:
             return f"the {side}'s logit scale is 0 (all its logits are 0), which the fused op refuses"
         softcap = arguments[f"{side}_final_logit_softcapping"]
@@ -164,18 +164,54 @@ def _why_trl_divergence(arguments: dict[str, Any] | None) -> str | None:
     return None
 
 
-def _student_patch(frame: Any) -> PatchState | None:
-    """The patch of the student whose loss the caller computes: the caller (within three frames)
-    is a ``DistillationTrainer``'s method, and the student is that trainer's ``model``."""
+def _calling_trainer(frame: Any) -> Any:
+    """The ``DistillationTrainer`` whose method called (within three frames), or ``None``: its
+    ``model`` is the student, ``teacher_model`` the teacher."""
     trainer_class = getattr(sys.modules.get(TRL_MODULE), "DistillationTrainer", None)
     for _ in range(3):
         if frame is None or trainer_class is None:
             return None
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, trainer_class):
-            return patch_state(candidate.model)
+            return candidate
         frame = frame.f_back
     return None
+
+
+def _sharded_heads(trainer: Any, arguments: dict[str, Any]) -> tuple[tuple, str | None]:
+    """For each side, the head module owning the tensors TRL passed where they are sharded (the
+    loss then reads them where they are whole), ``None`` where they are plain; or the reason
+    TRL's function must run instead."""
+    heads = []
+    for side in ("student", "teacher"):
+        weight, bias = arguments[f"{side}_lm_head_weight"], arguments[f"{side}_lm_head_bias"]
+        head, reason = _head_owning(trainer, side, weight, bias) if is_sharded(weight, bias) else (None, None)
+        if reason is not None:
+            return (), reason
+        heads.append(head)
+    return tuple(heads), None
+
+
+def _head_owning(trainer: Any, side: str, weight: Any, bias: Any) -> tuple[nn.Module | None, str | None]:
+    """The head module of the trainer's ``side`` model that owns these sharded tensors, or why none
+    can serve: no head owns them, or the student's is a DTensor not sharded over the vocabulary
+    (the teacher's is all-gathered whatever its sharding: it needs no gradient)."""
+    model = trainer.model if side == "student" else trainer.accelerator.unwrap_model(trainer.teacher_model)
+    head = _owner(model.get_output_embeddings(), weight)
+    if head is None or head_tensor(head, "bias") is not bias:
+        return None, (
+            f"the {side}'s lm_head tensors are sharded (FSDP2, DeepSpeed ZeRO-3 or tensor parallelism) "
+            f"and are not those of the {side} model's output embeddings, which the fused op would gather"
+        )
+    problem = "" if side == "teacher" or head_weight_is_managed(head) else vocab_shard_problem(head)
+    return (None, f"the student's lm_head cannot be fused: {problem}") if problem else (head, None)
+
+
+def _owner(root: nn.Module | None, weight: torch.Tensor) -> nn.Module | None:
+    """The module under ``root`` (itself included) that registers ``weight`` as its ``weight``
+    (read past ZeRO-3's gathering parameter dict, as ``sharded_head.head_tensor`` reads it)."""
+    modules = root.modules() if root is not None else ()
+    return next((m for m in modules if dict.get(vars(m).get("_parameters", {}), "weight") is weight), None)
 
 
 # --- what the two distillation hooks share ------------------------------------------------------

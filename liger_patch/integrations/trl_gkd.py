@@ -15,15 +15,18 @@ same steps with both models' own forwards called with their output projection ca
 (``patching.capture.HeadCapture``, as the patched forward does): each returns deferred logits,
 the head's input hidden states plus what the forward does to its logits (a scale, a softcap),
 indexed as TRL indexes the logits; the fused op gets both heads' tensors, TRL's ``beta`` and
-temperature, the mask and ``num_items_in_batch``. Neither model's ``tokens x V`` logits are built
-(the student's head is never called). With an unpatched student, TRL's ``compute_loss`` runs.
+temperature, the mask and ``num_items_in_batch`` (``distill_heads``: a head that FSDP2 or ZeRO-3
+shards is called once, after the forwards, with the loss as its forward, so that its wrapper
+gathers it; a tensor-parallel head's loss runs on its vocabulary shard). Neither model's
+``tokens x V`` logits are built. With an unpatched student, TRL's ``compute_loss`` runs.
 
 TRL's own ``compute_loss`` runs for a patched student, with a ``LigerBypassWarning`` naming the
 reason, when the caller asks for the student's outputs (``return_outputs=True``: the Trainer's
 evaluation ``prediction_step``, which wants the logits), a subclass overrides
-``generalized_jsd_loss``, either head cannot be fused (LoRA on it, quantized, sharded by FSDP2 or
-ZeRO-3, an architecture the patch refuses), or a forward does to its logits what has no fused
-counterpart (then for the rest of that trainer's life).
+``generalized_jsd_loss``, either head cannot be fused (``head.fusable_head``: quantized or
+custom, sharded other than as above, LoRA on a sharded head, an architecture the patch refuses),
+or a forward does to its logits what has no fused counterpart (then for the rest of that
+trainer's life).
 """
 
 from __future__ import annotations
@@ -39,22 +42,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from liger_patch.integrations.distill_heads import IGNORE, DistillSide, distill_on_heads
 from liger_patch.integrations.trl import install_on_import
-from liger_patch.integrations.trl_distillation import (
-    IGNORE,
-    distill_runtime,
-    fall_back,
-    is_sharded,
-    used_by_fused_path,
-)
-from liger_patch.ops.distillation import fused_linear_distillation
+from liger_patch.integrations.trl_distillation import distill_runtime, fall_back, used_by_fused_path
 from liger_patch.patching.capture import HeadCapture
 from liger_patch.patching.deferred import DeferredLogits
 from liger_patch.patching.derive import spec_for
 from liger_patch.patching.head import fusable_head
 from liger_patch.patching.registry import UnsupportedModelError
 from liger_patch.patching.seam import CapturedCall, UnfusableLogitsUse
-from liger_patch.patching.sharded_head import head_tensor
 from liger_patch.patching.state import PatchState, base_model_of, patch_state
 
 __all__ = ["install", "installed"]
@@ -115,10 +111,7 @@ def _capturable_head(trainer: Any, model: nn.Module) -> tuple[nn.Module | None, 
         spec = state.spec if state is not None else spec_for(type(base))
     except UnsupportedModelError as refusal:
         return None, str(refusal), ""
-    head, reason, path = fusable_head(base, spec)
-    if head is not None and is_sharded(head_tensor(head, "weight"), head_tensor(head, "bias")):
-        return None, f"its {path} is sharded (FSDP2 or DeepSpeed ZeRO-3), gathered only inside its call", path
-    return head, reason, path
+    return fusable_head(base, spec)
 
 
 def _fused_loss(
@@ -155,15 +148,15 @@ def _divergence(
     labels = torch.where(labels.to(device) != IGNORE, 0, IGNORE)  # which tokens count, nothing more
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(device)
-    return fused_linear_distillation(
-        student.hidden, student.head.weight, teacher.hidden.to(device), teacher.head.weight, labels,
-        student.head.bias, teacher.head.bias,
+    loss, _ = distill_on_heads(
+        DistillSide(student.hidden, student.head), DistillSide(teacher.hidden.to(device), teacher.head),
+        labels, num_items_in_batch=num_items_in_batch,
         beta=trainer.beta, temperature=_default_temperature(type(trainer).generalized_jsd_loss),
-        reduction="mean", num_items_in_batch=num_items_in_batch,
-        student_softcap=student_softcap, teacher_softcap=teacher_softcap,
+        reduction="mean", student_softcap=student_softcap, teacher_softcap=teacher_softcap,
         student_logit_scale=student_scale, teacher_logit_scale=teacher_scale,
         **distill_runtime(state),
     )  # fmt: skip
+    return loss
 
 
 @functools.cache

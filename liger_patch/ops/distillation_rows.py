@@ -61,16 +61,29 @@ def _forward_kl_(ls: Tensor, lt: Tensor, want_grad: bool, _beta: float) -> tuple
     return d, ls.exp_().sub_(pt) if want_grad else None
 
 
-def _reverse_kl_(ls: Tensor, lt: Tensor, want_grad: bool, _beta: float) -> tuple[Tensor, Tensor | None]:
-    """KL(p_s || p_t) and its gradient p_s (log p_s - log p_t - D); consumes ``ls`` and ``lt``."""
+def _reverse_kl_sum_(ls: Tensor, lt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """sum_j p_s (log p_s - log p_t) per row over these columns, with p_s and the products p_s (log
+    p_s - log p_t) (for the gradient); consumes ``ls`` and ``lt``."""
     terms = lt.neg_().add_(ls)  # log p_s - log p_t, then p_s times it
     ps = ls.exp_()
-    d = _row_sum_of_products_(ps, terms)
-    return d, terms.addcmul_(ps, d.unsqueeze(-1), value=-1.0) if want_grad else None
+    return _row_sum_of_products_(ps, terms), ps, terms
 
 
-def _generalized_jsd_(ls: Tensor, lt: Tensor, want_grad: bool, beta: float) -> tuple[Tensor, Tensor | None]:
-    """beta KL(p_t || m) + (1 - beta) KL(p_s || m) and its gradient; consumes ``ls`` and ``lt``."""
+def _less_row_sum_(products: Tensor, ps: Tensor, row_sum: Tensor) -> Tensor:
+    """``products - p_s * row_sum`` per row, in ``products``' buffer: the gradient of a divergence
+    whose derivative subtracts the whole row's sum (``row_sum``: over every column of the row)."""
+    return products.addcmul_(ps, row_sum.unsqueeze(-1), value=-1.0)
+
+
+def _reverse_kl_(ls: Tensor, lt: Tensor, want_grad: bool, _beta: float) -> tuple[Tensor, Tensor | None]:
+    """KL(p_s || p_t) and its gradient p_s (log p_s - log p_t - D); consumes ``ls`` and ``lt``."""
+    d, ps, products = _reverse_kl_sum_(ls, lt)
+    return d, _less_row_sum_(products, ps, d) if want_grad else None
+
+
+def _jsd_sums_(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """KL(p_t || m) and KL(p_s || m) per row over these columns, with p_s and the products p_s (log
+    p_s - log m) (for the gradient); consumes ``ls`` and ``lt``."""
     log_m = ls + math.log1p(-beta)
     s_terms = lt + math.log(beta)
     torch.logaddexp(log_m, s_terms, out=log_m)
@@ -79,11 +92,16 @@ def _generalized_jsd_(ls: Tensor, lt: Tensor, want_grad: bool, beta: float) -> t
     kl_t = _row_sum_of_products_(lt.exp_(), t_terms)
     del t_terms, log_m
     ps = ls.exp_()
-    kl_s = _row_sum_of_products_(ps, s_terms)
+    return kl_t, _row_sum_of_products_(ps, s_terms), ps, s_terms
+
+
+def _generalized_jsd_(ls: Tensor, lt: Tensor, want_grad: bool, beta: float) -> tuple[Tensor, Tensor | None]:
+    """beta KL(p_t || m) + (1 - beta) KL(p_s || m) and its gradient; consumes ``ls`` and ``lt``."""
+    kl_t, kl_s, ps, products = _jsd_sums_(ls, lt, beta)
     d = beta * kl_t + (1.0 - beta) * kl_s
     if not want_grad:
         return d, None
-    return d, s_terms.addcmul_(ps, kl_s.unsqueeze(-1), value=-1.0).mul_(1.0 - beta)
+    return d, _less_row_sum_(products, ps, kl_s).mul_(1.0 - beta)
 
 
 def _divergence(beta: float):
@@ -168,3 +186,93 @@ def distill_rows(
     del g_ce
     g.mul_(coef.unsqueeze(-1))
     return loss, _to_raw_logits_(g, slope, opts.student)
+
+
+# --- a vocabulary shard's columns -------------------------------------------------------------
+# The vocabulary-parallel op (distillation_vocab_parallel.py) holds columns [o, o + V_r) of every
+# row. With log p normalised by the whole rows' log-sum-exp, the divergences above give this
+# shard's part of each row's sums; their gradients need the sums over every shard, passed in.
+
+
+@torch.no_grad()
+def side_logits(x: Tensor, side: LossOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
+    """a, a side's final logits at the temperature, from its (rows, V_r) raw logits ``x`` (not
+    normalised: the shard sees part of each row), and with ``want_slope`` the softcap's slope
+    (``None`` without a softcap); ``x`` may be consumed, as for :func:`side_log_probs`."""
+    z, u = final_logits(x, side)
+    del x
+    return z, _softcap_slope_(u) if want_slope and u is not None else None
+
+
+@torch.no_grad()
+def shard_stats(a_s: Tensor, a_t: Tensor, label_col: Tensor, opts: DistillOptions) -> list[Tensor]:
+    """Per row over these columns: logsumexp of the student's and the teacher's a, and with a
+    cross-entropy term logsumexp of z_s = T a_s and z_s at the label (0 where ``label_col``, the
+    label's column here, is -1: the label is in another shard). Every shard's combine into the
+    rows' (log-sum-exp over shards, sums)."""
+    stats = [torch.logsumexp(a_s, dim=-1), torch.logsumexp(a_t, dim=-1)]
+    if opts.ce_weight:
+        z = a_s * opts.temperature
+        at_label = z.gather(-1, label_col.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        stats += [torch.logsumexp(z, dim=-1), torch.where(label_col >= 0, at_label, 0.0)]
+    return stats
+
+
+@torch.no_grad()
+def shard_divergence_sums(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
+    """(k, rows): this shard's part of the row sums of the divergence, from the log-probs ``ls``
+    and ``lt`` of its columns: [D] for beta 0 or 1, [KL(p_t || m), KL(p_s || m)] otherwise. Summed
+    over shards they are the rows' (:func:`divergence_of_sums`); their last row is what the
+    gradient needs (:func:`shard_distill_grad`). Consumes ``ls`` and ``lt``."""
+    if beta == 0.0:
+        return _forward_kl_(ls, lt, False, beta)[0].unsqueeze(0)
+    if beta == 1.0:
+        return _reverse_kl_sum_(ls, lt)[0].unsqueeze(0)
+    return torch.stack(_jsd_sums_(ls, lt, beta)[:2])
+
+
+def divergence_of_sums(sums: Tensor, beta: float) -> Tensor:
+    """D per row from the rows' sums of :func:`shard_divergence_sums` (summed over shards)."""
+    return sums[0] if sums.shape[0] == 1 else beta * sums[0] + (1.0 - beta) * sums[1]
+
+
+def _shard_cross_entropy_grad(ls: Tensor, label_col: Tensor, temperature: float, lse_q: Tensor) -> Tensor:
+    """T (softmax(q) - onehot(y)) over these columns, q = T log p_s (as :func:`_cross_entropy`),
+    with ``lse_q`` the rows' logsumexp of q over every shard. ``ls`` is kept."""
+    g = (ls * temperature).sub_(lse_q.unsqueeze(-1)).exp_()
+    here = label_col >= 0
+    g.scatter_add_(-1, label_col.clamp_min(0).unsqueeze(-1), here.to(g.dtype).neg_().unsqueeze(-1))
+    return g.mul_(temperature)
+
+
+@torch.no_grad()
+def shard_distill_grad(
+    ls: Tensor,
+    lt: Tensor,
+    slope: Tensor | None,
+    label_col: Tensor,
+    row_sum: Tensor,
+    lse_q: Tensor | None,
+    opts: DistillOptions,
+    coef: Tensor,
+) -> Tensor:
+    """``coef_i * d loss_i / d x_i`` over these columns of the student's raw logits (``distill_rows``'
+    gradient for a shard): ``row_sum`` is the last row of the rows' :func:`shard_divergence_sums`
+    (over every shard), ``lse_q`` the rows' logsumexp of T log p_s (with a cross-entropy term),
+    ``label_col`` the label's column here or -1. Consumes ``ls`` and ``lt``."""
+    w, beta = opts.ce_weight, opts.beta
+    g_ce = _shard_cross_entropy_grad(ls, label_col, opts.temperature, lse_q) if w else None
+    if beta == 0.0:
+        g = _forward_kl_(ls, lt, True, beta)[1]
+    elif beta == 1.0:
+        _, ps, products = _reverse_kl_sum_(ls, lt)
+        g = _less_row_sum_(products, ps, row_sum)
+    else:
+        _, _, ps, products = _jsd_sums_(ls, lt, beta)
+        g = _less_row_sum_(products, ps, row_sum).mul_(1.0 - beta)
+    del ls, lt
+    if w:
+        g.mul_(1.0 - w).add_(g_ce, alpha=w)
+    del g_ce
+    g.mul_(coef.unsqueeze(-1))
+    return _to_raw_logits_(g, slope, opts.student)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,10 @@ from liger_patch.patching.adapters import is_lora_head, low_rank_term
 __all__ = [
     "HeadShard",
     "ShardedHeadError",
+    "call_as_forward",
+    "check_plain_hidden",
     "fused_head_loss",
+    "gathered_tensors",
     "head_tensor",
     "head_weight_is_managed",
     "is_dtensor",
@@ -240,9 +244,11 @@ def lora_sharding_reason(model: nn.Module, lora: nn.Module, base: nn.Module) -> 
     return ""
 
 
-def _check_gathered(head: nn.Module) -> None:
-    """Raise :class:`ShardedHeadError` if a ZeRO-3 head tensor was not gathered for the head's call."""
-    for name, tensor in (("weight", head.weight), ("bias", getattr(head, "bias", None))):
+def gathered_tensors(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias, whole: read inside the head's call for a head whose weight a
+    wrapper manages. Raises :class:`ShardedHeadError` if a ZeRO-3 tensor was not gathered."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is not None and zero3_unavailable(tensor):
             raise ShardedHeadError(
                 f"liger_patch: lm_head.{name} is partitioned by DeepSpeed ZeRO-3 and was not gathered "
@@ -251,15 +257,12 @@ def _check_gathered(head: nn.Module) -> None:
                 "the DeepSpeed engine (deepspeed.initialize, accelerate or the HF Trainer), or use "
                 "ZeRO stage 1/2 or FSDP2, or revert_liger(model) to use the original head."
             )
+    return weight, bias
 
 
-def _op_on_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
-    """The op on the head's tensors as they are now: whole (``fused_loss``), or this rank's
-    vocabulary shard (``vocab_parallel_loss``)."""
-    found = vocab_shard(head)
-    if found is None:
-        _check_gathered(head)
-        return fused_loss(hidden, head.weight, labels, head.bias, **loss_kwargs)
+def check_plain_hidden(hidden: torch.Tensor) -> None:
+    """Raise :class:`ShardedHeadError` for hidden states that are a DTensor: a tensor-parallel head's
+    loss takes them as plain tensors, the same on every rank of its group."""
     if is_dtensor(hidden):
         raise ShardedHeadError(
             f"liger_patch: the hidden states reaching the tensor-parallel lm_head are a DTensor (placements "
@@ -267,20 +270,32 @@ def _op_on_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Ten
             "rank of the group, as transformers' tp_plan passes them (use_local_output=True in a torch "
             "parallelize_module plan), or revert_liger(model) to use the original head."
         )
+
+
+def _op_on_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
+    """The op on the head's tensors as they are now: whole (``fused_loss``), or this rank's
+    vocabulary shard (``vocab_parallel_loss``)."""
+    found = vocab_shard(head)
+    if found is None:
+        weight, bias = gathered_tensors(head)
+        return fused_loss(hidden, weight, labels, bias, **loss_kwargs)
+    check_plain_hidden(hidden)
     return vocab_parallel_loss(hidden, found.weight, labels, found.bias, shard=found.shard, **loss_kwargs)
 
 
-def _inside_head_call(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any) -> Any:
-    """``head(hidden)`` with :func:`_op_on_head_tensors` as the head's forward for this one call.
+def call_as_forward(head: nn.Module, hidden: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+    """``head(hidden)`` with ``compute`` as the head's forward for this one call: its result is the call's.
 
     The call has the original's exact form (one positional tensor), so every hook sees what it
-    sees for ``lm_head(hidden)``: FSDP2 casts ``hidden`` to its ``param_dtype``, a hook that
-    rewrites the inputs keeps working, and the labels and ``loss_kwargs`` (the options, a float
-    ``num_items_in_batch`` tensor included) reach the op untouched, bound to that forward. A
-    forward that transformers' tensor parallelism put on the instance is set aside for the call.
+    sees for ``lm_head(hidden)``: FSDP2 gathers the weight before it (casting ``hidden`` to its
+    ``param_dtype``), registers the re-gathering for backward on the tensors ``compute`` returns and
+    reduce-scatters the gradient after; DeepSpeed ZeRO-3's module hooks do the same. A hook that
+    rewrites the inputs keeps working, and whatever else ``compute`` needs (labels, options, a
+    float ``num_items_in_batch`` tensor) reaches it untouched, bound to it. A forward that
+    transformers' tensor parallelism put on the instance is set aside for the call.
     """
     own = vars(head).get("forward")
-    head.forward = functools.partial(_op_on_head_tensors, head, labels=labels, **loss_kwargs)
+    head.forward = compute
     try:
         return head(hidden)
     finally:
@@ -315,6 +330,5 @@ def fused_head_loss(
         head = head.get_base_layer()
         if term is not None:
             loss_kwargs["low_rank"] = term
-    if not head_weight_is_managed(head):
-        return _op_on_head_tensors(head, hidden, labels, **loss_kwargs)
-    return _inside_head_call(head, hidden, labels, **loss_kwargs)
+    compute = functools.partial(_op_on_head_tensors, head, labels=labels, **loss_kwargs)
+    return call_as_forward(head, hidden, compute) if head_weight_is_managed(head) else compute(hidden)

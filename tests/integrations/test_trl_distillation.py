@@ -381,7 +381,7 @@ def test_divergence_equals_trls_function(op_calls, beta, bias, scales, softcaps,
     "change, reason",
     [
         (dict(teacher_logit_scale=0.0), "teacher's logit scale is 0"),
-        (dict(partitioned="student_lm_head_weight"), "student's lm_head is sharded"),
+        (dict(partitioned="student_lm_head_weight"), "student's lm_head tensors are sharded"),
     ],
     ids=["zero-scale", "zero3-head"],
 )
