@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops import budget, validation
-from liger_patch.ops.distillation_chunks import distill_chunk_rows
+from liger_patch.ops.distillation_chunks import TORCH_MATH, Side, distill_chunk_rows
 from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
 from liger_patch.ops.distillation_rows import (
     divergence_of_sums,
@@ -82,11 +82,14 @@ class _Heads:
     @staticmethod
     def of(student: tuple, teacher: tuple, kept: Tensor, opts: DistillOptions) -> _Heads:
         (hs, ws, bs), (ht, wt, bt) = student, teacher
+        ws, wt = ws.to(gemm_dtype_for(hs)), wt.to(gemm_dtype_for(ht))
         working = budget.working_bytes(opts.memory_budget, hs.shape[0], hs.nbytes)
-        step = distill_chunk_rows(kept.shape[0], ws.shape[0], hs.shape[1], ht.shape[1], working)
-        return _Heads(
-            hs, ws.to(gemm_dtype_for(hs)), _f32(bs), ht, wt.to(gemm_dtype_for(ht)), _f32(bt), kept, step
+        # The PyTorch row math's bytes per row: this op runs that math whatever the backend.
+        sides = Side(hs, ws, None), Side(ht, wt, None)
+        step = distill_chunk_rows(
+            TORCH_MATH, kept.shape[0], *sides, opts, want_grad=True, gathers=True, budget=working
         )
+        return _Heads(hs, ws, _f32(bs), ht, wt, _f32(bt), kept, step)
 
     def chunks(self):
         """The kept rows' numbers, a chunk at a time."""
