@@ -219,10 +219,9 @@ def _owner(root: nn.Module | None, weight: torch.Tensor) -> nn.Module | None:
 
 def distill_runtime(state: PatchState) -> dict[str, Any]:
     """The patch's runtime options as the distillation op takes them: its memory budget (the
-    batch budget of a training step when none is named) and backend ("triton" runs as "auto":
-    the op has only its PyTorch implementation so far)."""
+    batch budget of a training step when none is named) and its backend."""
     budget = state.budget_changes().get("memory_budget", state.options.memory_budget)
-    return dict(backend="torch" if state.options.backend == "torch" else "auto", memory_budget=budget)
+    return dict(backend=state.options.backend, memory_budget=budget)
 
 
 def is_sharded(*tensors: Any) -> bool:
