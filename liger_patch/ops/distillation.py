@@ -112,6 +112,7 @@ def fused_linear_distillation(
     teacher_logit_scale: float | None = None,
     backend: str = "auto",
     memory_budget: int | str | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Distillation loss of ``student_hidden @ student_weight.T (+ student_bias)`` towards
     ``teacher_hidden @ teacher_weight.T (+ teacher_bias)``, never building either's logits.
@@ -154,6 +155,7 @@ def fused_linear_distillation(
                 teacher_logit_scale=teacher_logit_scale,
                 backend=backend,
                 memory_budget=memory_budget,
+                logits_dtype=logits_dtype,
             )
         )
     )

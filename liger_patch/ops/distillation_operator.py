@@ -27,7 +27,7 @@ from liger_patch.ops import budget, validation
 from liger_patch.ops import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
 from liger_patch.ops.backends import pick
 from liger_patch.ops.distillation_chunks import ChunkMath, Head, chunk_math, run_distill
-from liger_patch.ops.distillation_options import DistillOptions
+from liger_patch.ops.distillation_options import DistillOptions, check_logits_dtypes
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
 
 _F32 = torch.float32
@@ -69,6 +69,7 @@ def fused_distill(
     """Forward: ``(loss, row_weight, grad_hidden, grad_weight, grad_bias)``; hidden states (N, H_s)
     and (N, H_t), labels (N,). Gradients not computed here are empty."""
     opts = DistillOptions.from_key(options)
+    check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     math = _math(opts, student_hidden)
     labels = labels.long().contiguous()
     keep = labels != opts.ignore_index
@@ -111,6 +112,7 @@ def _fused_distill_fake(
     needs,
 ):
     opts = DistillOptions.from_key(options)
+    check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     n = labels.shape[0]
     precompute = _precompute(opts, student_hidden.dtype, needs)
     grads = (

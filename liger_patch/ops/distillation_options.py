@@ -16,8 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from liger_patch.ops.logprobs import temperature_options
-from liger_patch.ops.options import BACKEND_NAMES, BackendName, LossOptions, Reduction, option_float
+from liger_patch.ops.options import (
+    BACKEND_NAMES,
+    BackendName,
+    LossOptions,
+    Reduction,
+    check_logits_dtype,
+    option_float,
+)
 
 
 @dataclass(frozen=True)
@@ -42,11 +51,12 @@ class DistillOptions:
     teacher_logit_scale: float | None = None
     backend: BackendName = "auto"
     memory_budget: int | str | None = None
+    logits_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+        object.__setattr__(self, "key", _key(self))
         object.__setattr__(self, "student", self._side(self.student_softcap, self.student_logit_scale))
         object.__setattr__(self, "teacher", self._side(self.teacher_softcap, self.teacher_logit_scale))
 
@@ -56,6 +66,7 @@ class DistillOptions:
             reduction=self.reduction,
             backend=self.backend,
             memory_budget=self.memory_budget,
+            logits_dtype=self.logits_dtype,
             **temperature_options(self.temperature, logit_scale, softcap),
         )
 
@@ -63,7 +74,31 @@ class DistillOptions:
     @functools.lru_cache(maxsize=256)
     def from_key(key: str) -> DistillOptions:
         """The options ``key`` was made from (``DistillOptions(...).key``)."""
-        return DistillOptions(**json.loads(key))
+        values = json.loads(key)
+        dtype = values.pop("logits_dtype")
+        return DistillOptions(**values, logits_dtype=None if dtype is None else getattr(torch, dtype))
+
+    def logits_dtype_for(self, input_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a side's logits chunks are stored in: ``logits_dtype``, else its input's."""
+        return self.logits_dtype or input_dtype
+
+
+def _key(opts: DistillOptions) -> str:
+    """Every option as one JSON string (the dtype by its name)."""
+    values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    if opts.logits_dtype is not None:
+        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
+    return json.dumps(values, sort_keys=True)
+
+
+def check_logits_dtypes(opts: DistillOptions, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> None:
+    """``opts.logits_dtype`` is None, fp32, or the input dtype of each side (the message names
+    the side), as the cross-entropy op checks its own against its input."""
+    for side, dtype in (("student", student_dtype), ("teacher", teacher_dtype)):
+        try:
+            check_logits_dtype(opts.logits_dtype, dtype)
+        except ValueError as exc:
+            raise ValueError(f"{side}: {exc}") from None
 
 
 DISTILL_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DistillOptions))
@@ -84,6 +119,10 @@ DISTILL_OPTION_DOCS = {
     "backend": '"auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"',
     "memory_budget": "working memory beyond inputs, outputs and gradients, as for "
     '``fused_linear_cross_entropy`` (bytes, a size such as "256MiB", or a named budget)',
+    "logits_dtype": "how the Triton backend stores the logits chunks: None (each side's input dtype, as "
+    "an unpatched half-precision head stores them) or torch.float32 (never rounded to half precision: "
+    "TRL DistillationTrainer's chunked kernel; 4 bytes a logit, so smaller chunks). The torch backend "
+    "keeps fp32 logits whatever this says",
 }
 """One line per option, for the docstrings of the entry points."""
 assert set(DISTILL_OPTION_DOCS) == set(DISTILL_OPTION_NAMES), "every option needs its line"
@@ -116,8 +155,14 @@ def _optional_scale(name: str, value: object) -> float | None:
 
 def _checked(opts: DistillOptions) -> dict[str, Any]:
     """The normalised value of every option; raises for a bad one, naming it. ``ignore_index``,
-    ``reduction`` and ``memory_budget`` are checked as the cross-entropy op checks them."""
-    LossOptions(ignore_index=opts.ignore_index, reduction=opts.reduction, memory_budget=opts.memory_budget)
+    ``reduction``, ``memory_budget`` and ``logits_dtype`` are checked as the cross-entropy op
+    checks them (a dtype against the inputs' at the call: ``check_logits_dtypes``)."""
+    LossOptions(
+        ignore_index=opts.ignore_index,
+        reduction=opts.reduction,
+        memory_budget=opts.memory_budget,
+        logits_dtype=opts.logits_dtype,
+    )
     if opts.backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
     temperature = option_float("temperature", opts.temperature)

@@ -1,22 +1,27 @@
 """The Triton backend's chunk of the distillation loss (``distillation_chunks.ChunkMath``).
 
 Per chunk: the teacher's logits, then the student's, each stored in its hidden states' dtype
-(bf16 / fp16 as an unpatched half-precision head stores them; fp32 inputs give fp32), through
-the backend's fused logits GEMM where it takes both chunks (Hopper, half inputs, 16-byte aligned
-rows: ``triton/logits.py``), which leaves each row's log-sum-exp partials, else through cuBLAS.
-Then one row kernel (``triton/distill.py``) gives each row's loss and writes the student's
-gradient over its own logits (into a wider buffer on the CPU, whose GEMMs run in fp32). The
+(bf16 / fp16 as an unpatched half-precision head stores them; fp32 inputs give fp32), or in fp32
+with ``logits_dtype=torch.float32`` (cuBLAS's fp32 output of the half GEMM, never rounded to
+half: TRL DistillationTrainer's precision). Half logits go through the backend's fused logits
+GEMM where it takes both chunks (Hopper, half inputs, 16-byte aligned rows: ``triton/logits.py``),
+which leaves each row's log-sum-exp partials, else through cuBLAS. Then one row kernel
+(``triton/distill.py``) gives each row's loss and writes the student's gradient over its own
+logits: element for element, into a narrower view of fp32 logits' bytes (a half gradient for
+half GEMMs, ``gemm.grad_view``), or into a wider buffer on the CPU, whose GEMMs run in fp32. The
 teacher's chunk is freed before the next chunk is built: at most two ``rows x V`` buffers.
 
 Reverse KL (beta = 1) takes no partials: its online statistics pass gives the log-sum-exps with
 the divergence, which its gradient needs before the last pass, so the partials would save
-nothing and the fused GEMM is a little slower than cuBLAS.
+nothing and the fused GEMM is a little slower than cuBLAS. Nor do fp32 logits: the fused GEMM
+stores half logits only (on the GPU), so the statistics pass gives them on every device.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 
 from liger_patch.ops.backends import Backend, FusedLogits
@@ -27,9 +32,9 @@ from liger_patch.ops.triton.distill import distill_rows_triton
 
 
 def _fused(backend: Backend, opts: DistillOptions) -> FusedLogits | None:
-    """The fused logits GEMM this call may use: the backend's, unless the tuning turns it off or
-    the divergence is reverse KL."""
-    if opts.beta == 1.0 or not opts.student.tuning.fused_logits:
+    """The fused logits GEMM this call may use: the backend's, unless the tuning turns it off,
+    the divergence is reverse KL or the logits are asked for in fp32."""
+    if opts.beta == 1.0 or not opts.student.tuning.fused_logits or opts.logits_dtype == torch.float32:
         return None
     return backend.fused_logits
 
@@ -46,7 +51,8 @@ def _step(
     """One chunk (``ChunkMath.step``): both logits chunks, the row kernel, the gradient in place."""
     hs = rows.take(student.hidden).to(student.w.dtype)
     ht = rows.take(teacher.hidden).to(teacher.w.dtype)
-    s_dtype, t_dtype = student.hidden.dtype, teacher.hidden.dtype  # the logits' dtypes
+    s_dtype = opts.logits_dtype_for(student.hidden.dtype)  # the logits' dtypes
+    t_dtype = opts.logits_dtype_for(teacher.hidden.dtype)
     fused = _fused(backend, opts)
     tuning = opts.student.tuning
     both = (
@@ -78,8 +84,10 @@ def _row_bytes(
     (its hidden rows, logits and partials, beside the student's rows), the row kernel (both
     logits and partials, the student's rows, and a gradient buffer where it is wider than the
     student's logits), and the gradient GEMMs (the teacher's chunk freed; grad_h's rows and
-    their cast). Hidden rows count where the chunk copies them (gathered, or cast on the CPU)."""
-    s_logit, t_logit = vocab * student.hidden.element_size(), vocab * teacher.hidden.element_size()
+    their cast). Hidden rows count where the chunk copies them (gathered, or cast on the CPU).
+    Logits take their stored width (``opts.logits_dtype``: 4 bytes for fp32)."""
+    s_bytes = opts.logits_dtype_for(student.hidden.dtype).itemsize
+    s_logit, t_logit = vocab * s_bytes, vocab * opts.logits_dtype_for(teacher.hidden.dtype).itemsize
     fused = _fused(backend, opts)
     part = 0 if fused is None else fused.partial_bytes_per_row(vocab, opts.student)
     s_width = student.hidden.shape[1] * student.w.element_size()
@@ -88,7 +96,8 @@ def _row_bytes(
         copied = gathers or side.hidden.dtype != side.w.dtype
         return side.hidden.shape[1] * side.w.element_size() if copied else 0
 
-    grad = vocab * student.w.element_size() if want_grad and student.w.dtype != student.hidden.dtype else 0
+    # a buffer of its own only when the gradient is wider than the logits (``gemm.grad_view``)
+    grad = vocab * student.w.element_size() if want_grad and student.w.element_size() > s_bytes else 0
     teacher_gemm = rows_of(student) + rows_of(teacher) + t_logit + part
     kernel = rows_of(student) + t_logit + s_logit + 2 * part + grad
     gradients = rows_of(student) + s_logit + grad + (2 * s_width if want_grad else 0)

@@ -128,6 +128,26 @@ def make_case(
     )
 
 
+def correlated_case(gen, n: int, hidden: int, vocab: int, rho: float, dtype=torch.bfloat16, spread=4.0):
+    """A student and a teacher that read the same hidden states through weights correlated at
+    ``rho`` (the teacher's ``rho W_s + sqrt(1 - rho^2) W_noise``), so their logits agree closely
+    and the divergence's gradient p_s - p_t is a small difference; every fifth token ignored."""
+    student_weight = torch.randn(vocab, hidden, generator=gen) * spread / math.sqrt(hidden)
+    noise = torch.randn(vocab, hidden, generator=gen) * spread / math.sqrt(hidden)
+    hidden_states = torch.randn(n, hidden, generator=gen).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[::5] = -100
+    return dict(
+        student_hidden=hidden_states.clone().requires_grad_(),
+        student_weight=student_weight.to(dtype).requires_grad_(),
+        teacher_hidden=hidden_states,
+        teacher_weight=(rho * student_weight + math.sqrt(1 - rho**2) * noise).to(dtype),
+        labels=labels,
+        student_bias=None,
+        teacher_bias=None,
+    )
+
+
 def with_dtype(case: dict, dtype: torch.dtype) -> dict:
     """Copies of the case's float tensors in ``dtype`` (new leaves, requiring grad as before)."""
     return {

@@ -26,7 +26,7 @@ from op_helpers import BACKENDS, IGNORE_PATTERNS, TOL, assert_close, examples
 import liger_patch as lp
 from liger_patch.ops import distillation_chunks, distillation_triton
 from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES
-from liger_patch.ops.distillation_options import build_distill_options
+from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
 from tests.ops.distillation_cases import (
     BETAS,
     HS,
@@ -213,6 +213,23 @@ def test_half_inputs_round_once_on_the_cpu(gen):
     assert torch.equal(half, full)
     for name, g in half_grads.items():
         assert torch.equal(g, full_grads[name].bfloat16()), name
+
+
+def test_torch_backend_keeps_fp32_logits_whatever_logits_dtype_says(gen):
+    """fp32 logits are the torch backend's only mode: ``logits_dtype`` None, the input's bf16 or
+    fp32 give the same results bit for bit (and the options round-trip through the key)."""
+    case = make_case(gen, lead=(30,), dtype=torch.bfloat16)
+    opts = dict(beta=0.4, ce_weight=0.2, memory_budget=budget_for(7, case), backend="torch")
+    results = [
+        loss_and_grads(lp.fused_linear_distillation, case, torch.tensor(1.0), logits_dtype=d, **opts)
+        for d in (None, torch.bfloat16, torch.float32)
+    ]
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert all(torch.equal(g, results[0][1][name]) for name, g in grads.items())
+    options = build_distill_options(logits_dtype=torch.float32)
+    assert DistillOptions.from_key(options.key) == options and options.student.logits_dtype == torch.float32
+    assert "logits_dtype=torch.float32" in repr(lp.FusedLinearDistillationLoss(logits_dtype=torch.float32))
 
 
 def test_fp16_gradients_under_a_loss_scale(gen, backend):

@@ -49,6 +49,10 @@ def _call(inputs, **options):
         ("backend", "cuda", ValueError, "unknown backend 'cuda'"),
         ("memory_budget", "lots", ValueError, "memory_budget 'lots'"),
         ("ignore_index", 1.5, TypeError, "ignore_index must be an int"),
+        ("logits_dtype", "float32", ValueError, "logits_dtype must be None or a float dtype"),
+        ("logits_dtype", torch.float64, ValueError, "logits_dtype must be None or a float dtype"),
+        ("logits_dtype", torch.int32, ValueError, "logits_dtype must be None or a float dtype"),
+        ("logits_dtype", 4, ValueError, "logits_dtype must be None or a float dtype"),
     ],
 )
 def test_bad_option(gen, option, value, error, match):
@@ -58,6 +62,27 @@ def test_bad_option(gen, option, value, error, match):
     with pytest.raises(error, match=match):
         lp.FusedLinearDistillationLoss(**{option: value})
     assert torch.isfinite(_call(inputs))  # still usable
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_logits_dtype_must_suit_each_side(gen, backend):
+    """A half ``logits_dtype`` other than a side's input dtype is refused at the call, naming the
+    side (as the cross-entropy op refuses it); fp32 suits every input, the input's own dtype its side."""
+    half = _inputs(gen, torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"student: logits_dtype must be None \(the input dtype, torch.bfloat16\)"
+    ):
+        _call(half, logits_dtype=torch.float16, backend=backend)
+    with pytest.raises(ValueError, match="student: logits_dtype must be None"):
+        _call(_inputs(gen), logits_dtype=torch.bfloat16, backend=backend)
+    mixed = half | {k: v.float() for k, v in half.items() if k.startswith("teacher")}
+    with pytest.raises(
+        ValueError, match=r"teacher: logits_dtype must be None \(the input dtype, torch.float32\)"
+    ):
+        lp.FusedLinearDistillationLoss(logits_dtype=torch.bfloat16, backend=backend)(**mixed)
+    for logits_dtype in (None, torch.float32):
+        assert torch.isfinite(_call(mixed, logits_dtype=logits_dtype, backend=backend))
+    assert torch.isfinite(_call(half, logits_dtype=torch.bfloat16, backend=backend))
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(gen, monkeypatch):

@@ -6,7 +6,7 @@ teacher, the backward paths) is tests/ops/test_distillation.py's, run on both. H
 over several chunks for every kind of beta, with and without the fused logits GEMM's
 log-sum-exp partials (a vocabulary whose rows are 16-byte aligned takes them; an odd one does
 not), agreement with the PyTorch backend, logits kept in the input dtype (bf16 results against
-a reference on the same rounded logits), and the chunk's memory.
+a reference on the same rounded logits) or in fp32 (``logits_dtype``), and the chunk's memory.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import _disable_current_modes
 
 import liger_patch as lp
-from liger_patch.ops import distillation_triton, gemm
+from liger_patch.ops import distillation_chunks, distillation_triton, gemm
 from liger_patch.ops.backends import pick
-from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES
-from liger_patch.ops.distillation_chunks import Head, run_distill
+from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES, working_bytes
+from liger_patch.ops.distillation_chunks import Head, Side, distill_chunk_rows, run_distill
 from liger_patch.ops.distillation_options import build_distill_options
 from liger_patch.ops.triton import distill as triton_distill
 from liger_patch.ops.triton import logits as triton_logits
@@ -34,10 +34,12 @@ from tests.ops.distillation_cases import (
     assert_near,
     budget_for,
     check,
+    correlated_case,
     divergence_input,
     loss_and_grads,
     make_case,
     reduce_reference,
+    reference_distill,
     reference_rows,
     rounding_floors,
     with_dtype,
@@ -172,6 +174,92 @@ def test_bf16_logits_are_what_the_loss_sees(gen, beta, vocab):
         assert ((grads[name].double() - expected).abs() <= bound).all(), name
 
 
+@pytest.fixture
+def kernel_reads(monkeypatch):
+    """For each row kernel launch: the student's and the teacher's logits dtypes, the gradient's
+    dtype and whether it lies in the student's logits' bytes, and whether partials came with it."""
+    seen = []
+    real = distillation_triton.distill_rows_triton
+
+    def spy(student, teacher, labels, opts, *, grad=None, coef=None, partials=None):
+        in_place = grad is not None and grad.data_ptr() == student.data_ptr()
+        g = None if grad is None else (grad.dtype, in_place)
+        seen.append((student.dtype, teacher.dtype, g, partials is not None))
+        return real(student, teacher, labels, opts, grad=grad, coef=coef, partials=partials)
+
+    monkeypatch.setattr(distillation_triton, "distill_rows_triton", spy)
+    return seen
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.detach()
+    return float((actual.detach().double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, RANDOM_BETA])
+def test_fp32_logits_are_closer_to_fp64_than_bf16_ones(gen, kernel_reads, beta):
+    """bf16 inputs, a teacher correlated with the student at rho = 0.9 (the gradient p_s - p_t a
+    small difference), against an fp64 reference from the same bf16 inputs: with
+    ``logits_dtype=torch.float32`` the kernel reads fp32 logits (no partials: the statistics
+    pass) and the loss is fp32-exact, each gradient within one bf16 rounding of the reference;
+    with bf16 logits (the default, as a bf16 head) errors are about ten times larger (on an H100
+    at 1024 x 512 x 8191: loss 2.5e-4, grads 2.3e-2, against 3e-7 and 2.3e-3 for TRL's fp32
+    tiles). Here (CPU, 48 x 32 x 136): bf16 ~1.5e-2, fp32 ~1.6e-3 for the gradients."""
+    case = correlated_case(gen, 48, 32, ALIGNED_V, rho=0.9)
+    opts = dict(beta=beta, backend="triton")
+    up = torch.tensor(1.0, dtype=torch.float64)
+    ref, ref_grads = loss_and_grads(reference_distill, with_dtype(case, torch.float64), up, beta=beta)
+    errors = {}
+    for logits_dtype in (None, torch.float32):
+        kernel_reads.clear()
+        loss, grads = loss_and_grads(
+            lp.fused_linear_distillation, case, up.float(), logits_dtype=logits_dtype, **opts
+        )
+        stored = torch.float32 if logits_dtype else torch.bfloat16
+        partials = logits_dtype is None and beta != 1.0
+        assert kernel_reads == [(stored, stored, (torch.float32, stored == torch.float32), partials)]
+        errors[logits_dtype] = {"loss": _relative_error(loss, ref)} | {
+            name: _relative_error(g, ref_grads[name]) for name, g in grads.items()
+        }
+        if logits_dtype is not None:
+            assert errors[logits_dtype]["loss"] < 1e-6, errors
+            for name, g in grads.items():
+                expected = ref_grads[name]
+                bound = BF16_ROUNDING * expected.abs() + 1e-5 * expected.abs().max()
+                assert ((g.double() - expected).abs() <= bound).all(), name
+    half, full = errors[None], errors[torch.float32]
+    assert all(5 * full[name] < half[name] for name in half), f"bf16 logits {half}, fp32 logits {full}"
+
+
+def test_fp32_logits_take_a_half_gradient_in_their_bytes(gen, monkeypatch, kernel_reads):
+    """The GPU's layout, emulated on the CPU by running the GEMMs in the inputs' bf16: fp32 logits
+    chunks (this torch has no CPU ``mm(out_dtype=float32)``, so they hold bf16 products), the
+    row kernel writing the bf16 gradient into the student's logits' own bytes (a narrower view,
+    rows strided by twice their width), cuBLAS's role reading it for grad_h and grad_W. Over
+    chunks of 7 kept tokens the results equal the bf16-logits path's bit for bit: the same
+    logit values, the same gradient values, the same bf16 GEMMs."""
+    monkeypatch.setattr(distillation_chunks, "gemm_dtype_for", lambda t: t.dtype)
+    case = correlated_case(gen, 40, 24, ODD_V, rho=0.9)
+    results = {}
+    for logits_dtype in (None, torch.float32):
+        opts = dict(beta=RANDOM_BETA, ce_weight=0.2, temperature=1.5, logits_dtype=logits_dtype)
+        budget = budget_for(7, case, "triton", **opts)
+        results[logits_dtype] = loss_and_grads(
+            lp.fused_linear_distillation,
+            case,
+            torch.tensor(1.0),
+            backend="triton",
+            memory_budget=budget,
+            **opts,
+        )
+    narrow = (torch.float32, torch.float32, (torch.bfloat16, True), False)
+    assert kernel_reads[-1] == narrow and len(set(kernel_reads)) == 2 and len(kernel_reads) == 2 * 5
+    (loss_h, grads_h), (loss_f, grads_f) = results[None], results[torch.float32]
+    assert torch.equal(loss_f, loss_h)
+    for name, g in grads_f.items():
+        assert g.dtype == torch.bfloat16 and torch.equal(g, grads_h[name]), name
+
+
 @examples(0.03)
 @given(
     beta=st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.0, 1.0)),
@@ -214,16 +302,24 @@ def _hide_launches(monkeypatch, module, kernel) -> None:
     monkeypatch.setattr(module, "jitted", lambda fn: _UnseenLaunches(real(fn)) if fn is kernel else real(fn))
 
 
-@pytest.mark.parametrize(("beta", "vocab"), [(RANDOM_BETA, 520), (1.0, 521)])
-def test_working_memory_within_budget(gen, monkeypatch, beta, vocab):
+@pytest.mark.parametrize(
+    ("beta", "vocab", "logits_dtype"),
+    [(RANDOM_BETA, 520, None), (1.0, 521, None), (RANDOM_BETA, 520, torch.float32)],
+)
+def test_working_memory_within_budget(gen, monkeypatch, beta, vocab, logits_dtype):
     """The Triton chunk allocates, beyond the results, no more than the working bytes of its
     budget (and the per-token share), and comes close to them: its bytes per row
     (``_row_bytes``) are the true peak. With an aligned vocabulary the partials are among them;
-    reverse KL takes none. (The interpreter's copies of the kernels' arguments are not counted.)"""
+    reverse KL takes none, nor do fp32 logits (of bf16 hidden states here, beside fp32 weights,
+    whose bf16 copies the CPU would not count: 4 bytes a logit, the gradient written over them).
+    (The interpreter's copies of the kernels' arguments are not counted.)"""
     _hide_launches(monkeypatch, triton_distill, triton_distill._distill_rows_kernel)
     _hide_launches(monkeypatch, triton_logits, triton_logits._logits_lse_kernel)
     case = make_case(gen, (48,), 16, 24, vocab, ignore="first")
-    opts = dict(beta=beta, ce_weight=0.5, temperature=2.0, student_softcap=4.0)
+    if logits_dtype is not None:
+        for side in ("student", "teacher"):
+            case[f"{side}_hidden"] = case[f"{side}_hidden"].detach().bfloat16()
+    opts = dict(beta=beta, ce_weight=0.5, temperature=2.0, student_softcap=4.0, logits_dtype=logits_dtype)
     working = budget_for(10, case, "triton", **opts) - SLACK_BYTES - PER_TOKEN_BYTES * 48
     labels = case["labels"]
     student = Head(*(case[k].detach() for k in STUDENT))
@@ -270,6 +366,38 @@ def test_two_logits_buffers_per_chunk_in_the_input_dtype(gen, monkeypatch):
     )
     lp.fused_linear_distillation(**case, beta=0.5, backend="triton").backward()
     assert seen == [(torch.float32, torch.bfloat16, True)]
+
+
+def _gpu_sides(vocab: int, hidden: int, tokens: int) -> tuple[Side, Side]:
+    """bf16 student and teacher as the chunk GEMMs read them on a GPU (weights in bf16), on the
+    meta device: shapes and dtypes only."""
+    head = Head(
+        torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta"),
+        torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta"),
+        None,
+    )
+    return Side(head.hidden, head.weight, None), Side(head.hidden, head.weight, None)
+
+
+@pytest.mark.parametrize(
+    ("logits_dtype", "row_bytes", "rows"),
+    [(None, 4 * 128256 + 2 * 4008 + 4096, 768), (torch.float32, 8 * 128256 + 4096, 512)],
+)
+def test_bytes_per_row_on_a_gpu(monkeypatch, logits_dtype, row_bytes, rows):
+    """V = 128256, H_s = 2048, bf16, kept rows gathered (a 4 KiB hidden row), 8192 tokens, the
+    default 512 MiB budget: bf16 logits take 2 x 2V bytes and the partials (V/32 a side), fp32
+    ones 2 x 4V and no partials (the half gradient lies in the student's bytes): 768 and 512
+    rows a chunk (docs/distillation.md's table)."""
+    student, teacher = _gpu_sides(128256, 2048, 8192)
+    opts = build_distill_options(beta=0.5, backend="triton", logits_dtype=logits_dtype)
+    math_ = distillation_triton.triton_math(pick("triton", torch.device("cpu")))
+    monkeypatch.setattr(triton_logits.env, "triton_interpret", lambda: False)  # the GPU's tiles
+    assert math_.row_bytes(128256, student, teacher, opts, True, True) == row_bytes
+    budget = working_bytes(None, 8192, 8192 * 2048 * 2)
+    step = distill_chunk_rows(
+        math_, 7000, student, teacher, opts, want_grad=True, gathers=True, budget=budget
+    )
+    assert step == rows
 
 
 def test_auto_is_triton_under_the_interpreter(gen, monkeypatch):

@@ -1,12 +1,12 @@
 """Triton row kernel of the distillation loss: both sides' logits chunks in, each row's loss out,
 and the student's gradient written in place over its logits, in one launch.
 
-Each program owns one row (token). With x the raw logits stored in the input dtype, each side's
-a = softcap(s' x) has the temperature folded into s' and the cap (``DistillOptions.student`` /
-``.teacher``); ls = a_s - lse(a_s), lt = a_t - lse(a_t); delta = ls - lt is formed as
-(a_s - a_t) - (lse_s - lse_t): where student and teacher nearly agree the first difference is
-exact and only the row's constant carries rounding. The passes over the row
-(docs/distillation.md counts their bytes):
+Each program owns one row (token). With x the raw logits (stored in the input dtype or fp32),
+each side's a = softcap(s' x) has the temperature folded into s' and the cap
+(``DistillOptions.student`` / ``.teacher``); ls = a_s - lse(a_s), lt = a_t - lse(a_t);
+delta = ls - lt is formed as (a_s - a_t) - (lse_s - lse_t): where student and teacher nearly
+agree the first difference is exact and only the row's constant carries rounding. The passes
+over the row (docs/distillation.md counts their bytes):
 
 * statistics: both sides' log-sum-exp from the fused GEMM's partials (``triton/logits.py``), or
   one online pass over both rows, which also gives each KL (the mean of a_s - a_t under the
@@ -18,15 +18,17 @@ exact and only the row's constant carries rounding. The passes over the row
 * the mixture (0 < beta < 1) only: KL(p_s || m) and KL(p_t || m) need both log-sum-exps first
   and KL(p_s || m) comes before the gradient, so a pass of their sums.
 * last: the gradient with respect to the student's raw logits, coef * d loss / d x, stored
-  over the student's logits (or into a wider buffer); with the partials, forward KL's value.
+  over the student's logits (or into a wider buffer, or as a half gradient into fp32 logits'
+  own bytes); with the partials, forward KL's value.
 
 Mixture terms from r = ls - log m with m = (1 - beta) p_s + beta p_t: with u = ls + log(1-beta),
 v = lt + log beta and d = u - v, log m = max(u, v) + log(1 + exp(-|d|)): one exp of the larger
 of u, v gives (1 - beta) p_s or beta p_t, the other is it times exp(-|d|); no overflow.
 
 All arithmetic is fp32. Passes after the first alternate direction (``Tuning.reverse_pass2``),
-so the blocks one pass read last are still in L2 when the next starts. Compiled on first use for
-the ``TRITON_INTERPRET`` mode of that moment.
+so the blocks one pass read last are still in L2 when the next starts; except a last pass that
+writes a narrower gradient into the logits' own bytes, which must walk forwards. Compiled on
+first use for the ``TRITON_INTERPRET`` mode of that moment.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def _distill_rows_kernel(
     STATS_PASS: tl.constexpr,  # a statistics pass runs (not everything came from the partials)
     LAST_D: tl.constexpr,  # forward KL's value is summed in the last pass (after the partials)
     COMPUTE_GRAD: tl.constexpr,
+    GRAD_ALIASES_WIDER: tl.constexpr,  # a narrower gradient in the student's logits' bytes
     REVERSE_K: tl.constexpr,
     REVERSE_LAST: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -276,6 +279,10 @@ def _distill_rows_kernel(
                     if S_SOFTCAP:
                         g = g * slope
                     g = g * s_scale
+                    if GRAD_ALIASES_WIDER:
+                        # Block k's stores land on the student's logits of blocks <= k (walked
+                        # forwards): every warp must have read block k first.
+                        tl.debug_barrier()
                     tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
             if LAST_D:
                 div = tl.sum(acc_d, axis=0)
@@ -299,6 +306,21 @@ def _beta_mode(beta: float) -> int:
     return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
 
 
+def _aliases_wider(grad: torch.Tensor | None, student: torch.Tensor) -> bool:
+    """Whether ``grad`` is narrower than the student's logits and lies in their bytes, row r
+    starting where logits row r starts (``gemm.grad_view``)."""
+    return (
+        grad is not None
+        and grad.element_size() < student.element_size()
+        and grad.data_ptr() == student.data_ptr()
+        and grad.stride(0) * grad.element_size() == student.stride(0) * student.element_size()
+    )
+
+
+def _fits(grad: torch.Tensor, student: torch.Tensor) -> bool:
+    return grad.element_size() >= student.element_size() or _aliases_wider(grad, student)
+
+
 def _check(student: torch.Tensor, teacher: torch.Tensor, grad: torch.Tensor | None, partials, beta: float):
     if teacher.shape != student.shape:
         shapes = f"{tuple(student.shape)} and {tuple(teacher.shape)}"
@@ -306,8 +328,11 @@ def _check(student: torch.Tensor, teacher: torch.Tensor, grad: torch.Tensor | No
     for name, t in (("student logits", student), ("teacher logits", teacher), ("grad", grad)):
         if t is not None and t.stride(1) != 1:
             raise ValueError(f"{name} must have unit column stride (rows may be strided)")
-    if grad is not None and (grad.shape != student.shape or grad.element_size() < student.element_size()):
-        raise ValueError("grad must have the logits' shape and be at least as wide as the student's logits")
+    if grad is not None and (grad.shape != student.shape or not _fits(grad, student)):
+        raise ValueError(
+            "grad must have the logits' shape and be at least as wide as the student's logits, or be a "
+            "narrower view of their bytes whose rows start where theirs do"
+        )
     if partials is None:
         return
     if beta == 1.0:
@@ -332,15 +357,18 @@ def distill_rows_triton(
     """Each row's loss (rows,) fp32 from the raw logits chunks ``student`` and ``teacher``
     (rows, V; any float dtypes, unit column stride), labels (rows,) (``opts.ignore_index``: loss 0
     and a zero gradient); with ``grad`` and ``coef`` (rows,) fp32, writes ``coef_i * d loss_i /
-    d x_s`` into ``grad``, which may be ``student`` itself (element for element) or a wider
-    buffer. ``partials`` (``Partials``, for these logits under ``opts.student`` / ``.teacher``)
-    replace the statistics pass. The launch follows ``opts.student.tuning``."""
+    d x_s`` into ``grad``, which may be ``student`` itself (element for element), a wider
+    buffer, or a narrower view of the student's bytes (``gemm.grad_view``: a half gradient over
+    fp32 logits; the last pass then walks forwards). ``partials`` (``Partials``, for these
+    logits under ``opts.student`` / ``.teacher``) replace the statistics pass. The launch
+    follows ``opts.student.tuning``."""
     rows, vocab = student.shape
     _check(student, teacher, grad, partials, opts.beta)
     loss = torch.empty(rows, dtype=torch.float32, device=student.device)
     if rows == 0:
         return loss
     compute_grad = grad is not None and coef is not None
+    aliases_wider = compute_grad and _aliases_wider(grad, student)
     side_s, side_t = opts.student, opts.teacher
     tuning = side_s.tuning
     interpret = env.triton_interpret()
@@ -397,8 +425,10 @@ def distill_rows_triton(
         STATS_PASS=stats_pass,
         LAST_D=last_d,
         COMPUTE_GRAD=compute_grad,
+        GRAD_ALIASES_WIDER=aliases_wider,
         REVERSE_K=reverse and k_index % 2 == 1,
-        REVERSE_LAST=reverse and last_index % 2 == 1,
+        # Over wider logits, block k's stores overwrite blocks <= k: forwards only.
+        REVERSE_LAST=reverse and last_index % 2 == 1 and not aliases_wider,
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
         # A jitted function as a constexpr costs host time at every launch: passed only when used.

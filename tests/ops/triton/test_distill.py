@@ -1,6 +1,7 @@
 """The distillation row kernel (``ops/triton/distill.py``) on its own: each row's loss and its
 gradient against the fp64 reference, ignored rows (which the op never gives it: it walks kept
-rows only) writing zeros, a gradient buffer apart from the logits, and compiling for Hopper.
+rows only) writing zeros, a gradient buffer apart from the logits, a half gradient written into
+fp32 logits' own bytes, and compiling for Hopper.
 
 The op through the kernel, over chunks and with the fused GEMM's partials, is
 tests/ops/test_distillation_triton.py's.
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from liger_patch.ops.distillation_options import build_distill_options
+from liger_patch.ops.gemm import grad_view
 from tests.ops.distillation_cases import divergence_input, reference_rows
 
 triton_distill = pytest.importorskip("liger_patch.ops.triton.distill")
@@ -58,6 +60,30 @@ def test_rows_against_reference_with_ignored_rows(gen, beta):
     assert torch.equal(triton_distill.distill_rows_triton(xs, xt, labels, opts), loss)  # no gradient
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.37])
+def test_half_gradient_in_fp32_logits_bytes(gen, beta):
+    """fp32 logits (``logits_dtype=torch.float32``) with a bf16 gradient in their own bytes
+    (``gemm.grad_view``, as on a GPU): each row's gradient overwrites the first half of its
+    logits while the last pass still reads them. The pass walks forwards (the default tuning
+    reverses it for beta 0 and 1), so the loss equals a run with a separate fp32 buffer bit for
+    bit and the gradient is that run's, rounded to bf16 (the interpreter's rounding may differ
+    from torch's: within an ulp); ignored rows get zeros."""
+    opts = build_distill_options(beta=beta, temperature=1.5, ce_weight=0.3, student_softcap=6.0)
+    xs = torch.randn(ROWS, V, generator=gen) * 3
+    xt = xs + torch.randn(ROWS, V, generator=gen)
+    labels = torch.randint(0, V, (ROWS,), generator=gen)
+    labels[2] = -100
+    coef = torch.rand(ROWS, generator=gen) + 0.5
+    apart = torch.empty(ROWS, V)
+    expected = triton_distill.distill_rows_triton(xs, xt, labels, opts, grad=apart, coef=coef)
+    logits = xs.clone()
+    grad = grad_view(logits, torch.bfloat16)
+    assert grad.data_ptr() == logits.data_ptr() and grad.stride(0) == 2 * V
+    loss = triton_distill.distill_rows_triton(logits, xt, labels, opts, grad=grad, coef=coef)
+    assert torch.equal(loss, expected)
+    assert ((grad.float() - apart).abs() <= 2.0**-7 * apart.abs()).all() and (grad[2] == 0).all()  # an ulp
+
+
 def test_refuses_what_it_cannot_use():
     opts = build_distill_options(beta=1.0)
     logits, labels = torch.zeros(3, 8), torch.zeros(3, dtype=torch.long)
@@ -66,19 +92,25 @@ def test_refuses_what_it_cannot_use():
         triton_distill.distill_rows_triton(logits, logits, labels, opts, partials=parts)
     with pytest.raises(ValueError, match="differ in shape"):
         triton_distill.distill_rows_triton(logits, logits[:2], labels, opts)
-    with pytest.raises(ValueError, match="at least as wide"):
-        grad = torch.zeros(3, 8, dtype=torch.bfloat16)
-        triton_distill.distill_rows_triton(logits, logits, labels, opts, grad=grad, coef=torch.ones(3))
+    for grad in (
+        torch.zeros(3, 8, dtype=torch.bfloat16),  # narrower, elsewhere
+        logits.view(torch.bfloat16)[:, 8:],  # narrower, in the logits' bytes but off their row starts
+    ):
+        with pytest.raises(ValueError, match="at least as wide"):
+            triton_distill.distill_rows_triton(logits, logits, labels, opts, grad=grad, coef=torch.ones(3))
 
 
-# (BETA_MODE, HAS_CE, CE_SCALED, softcaps, HAS_PARTIALS, COMPUTE_GRAD, student, teacher, grad dtypes)
+# (BETA_MODE, HAS_CE, CE_SCALED, softcaps, HAS_PARTIALS, COMPUTE_GRAD, student, teacher, grad dtypes,
+#  GRAD_ALIASES_WIDER)
 VARIANTS = [
-    (0, False, False, False, True, True, "*bf16", "*bf16", "*bf16"),
-    (0, True, True, True, False, False, "*bf16", "*bf16", "*bf16"),
-    (0, True, True, False, True, True, "*fp16", "*fp16", "*fp16"),
-    (1, True, True, True, False, True, "*fp32", "*bf16", "*fp32"),
-    (2, True, True, True, True, True, "*bf16", "*bf16", "*bf16"),
-    (2, True, False, False, False, True, "*bf16", "*fp32", "*bf16"),
+    (0, False, False, False, True, True, "*bf16", "*bf16", "*bf16", False),
+    (0, True, True, True, False, False, "*bf16", "*bf16", "*bf16", False),
+    (0, True, True, False, True, True, "*fp16", "*fp16", "*fp16", False),
+    (1, True, True, True, False, True, "*fp32", "*bf16", "*fp32", False),
+    (2, True, True, True, True, True, "*bf16", "*bf16", "*bf16", False),
+    (2, True, False, False, False, True, "*bf16", "*fp32", "*bf16", False),
+    (0, True, True, True, False, True, "*fp32", "*fp32", "*bf16", True),
+    (2, False, False, False, False, True, "*fp32", "*fp32", "*bf16", True),
 ]
 
 COMPILE_SCRIPT = r"""
@@ -99,14 +131,14 @@ scalars = {"n_parts": "i32", "stride_s": "i64", "stride_t": "i64", "stride_grad"
 block, warps = launch_config(128256, Tuning(), interpret=False)
 kernel, softcap_fn, fold_fn = triton.jit(_distill_rows_kernel), triton.jit(softcap), triton.jit(fold_partials)
 report = []
-for mode, ce, scaled, caps, partials, grad, s_dtype, t_dtype, g_dtype in json.loads(sys.argv[1]):
+for mode, ce, scaled, caps, partials, grad, s_dtype, t_dtype, g_dtype, aliases in json.loads(sys.argv[1]):
     signature = {name: "*fp32" for name in pointers}
     signature.update(s_ptr=s_dtype, t_ptr=t_dtype, grad_ptr=g_dtype, labels_ptr="*i64", **scalars)
     stats = (not partials) or (scaled and mode != 2)
     constexprs = dict(BETA_MODE=mode, HAS_CE=ce, CE_SCALED=scaled, S_SOFTCAP=caps, T_SOFTCAP=caps,
                       HAS_PARTIALS=partials, STATS_PASS=stats, LAST_D=mode == 0 and partials,
-                      COMPUTE_GRAD=grad, REVERSE_K=stats, REVERSE_LAST=False, BLOCK_V=block, BLOCK_P=1024,
-                      SOFTCAP_FN=softcap_fn, FOLD_FN=fold_fn)
+                      COMPUTE_GRAD=grad, GRAD_ALIASES_WIDER=aliases, REVERSE_K=stats, REVERSE_LAST=False,
+                      BLOCK_V=block, BLOCK_P=1024, SOFTCAP_FN=softcap_fn, FOLD_FN=fold_fn)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
