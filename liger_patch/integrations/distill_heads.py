@@ -116,7 +116,9 @@ def _entropy(
     math = temperature_options(
         options["temperature"], options.get("student_logit_scale"), options.get("student_softcap")
     )
-    runtime = dict(backend=backend, memory_budget=options["memory_budget"])
+    runtime = dict(
+        backend=backend, memory_budget=options["memory_budget"], logits_dtype=options.get("logits_dtype")
+    )
     with torch.no_grad():
         if found is None:
             return fused_linear_logprobs(

@@ -146,7 +146,9 @@ def fused_divergence(
         student_softcap=student_final_logit_softcapping, teacher_softcap=teacher_final_logit_softcapping,
         student_logit_scale=None if student_logit_scale == 1.0 else student_logit_scale,
         teacher_logit_scale=None if teacher_logit_scale == 1.0 else teacher_logit_scale,
-        **distill_runtime(state),
+        # TRL's kernel keeps its logits tiles in fp32 (``mm(out_dtype=float32)``): so do we here,
+        # so that the patched trainer's gradients are as exact as its own (docs/distillation.md).
+        logits_dtype=torch.float32, **distill_runtime(state),
     )  # fmt: skip
     return loss, entropy.sum(), valid.sum()
 

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GraniteConfig  # no
 
 from liger_patch import LigerPatchCallback, apply_liger_to  # noqa: E402
 from liger_patch.integrations import trl_distillation, trl_gkd  # noqa: E402
+from liger_patch.ops.distillation_options import DistillOptions  # noqa: E402
 from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -65,6 +66,21 @@ def op_calls(monkeypatch):
 
     monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", counted)
     return calls
+
+
+@pytest.fixture
+def op_logits_dtypes(monkeypatch):
+    """The ``logits_dtype`` of each call of the registered distillation operator (its options
+    travel as one key, the only string argument)."""
+    seen = []
+    operator = torch.ops.liger_patch.fused_distill
+
+    def recorded(*args):
+        seen.append(DistillOptions.from_key(next(a for a in args if isinstance(a, str))).logits_dtype)
+        return operator(*args)
+
+    monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", recorded)
+    return seen
 
 
 @pytest.fixture
@@ -191,14 +207,16 @@ def _assert_same_run(reference, ours, keys=("loss", "grad_norm"), tol=FP32):
 
 
 @BETAS
-def test_gkd_trains_through_the_op(tmp_path, op_calls, beta):
+def test_gkd_trains_through_the_op(tmp_path, op_calls, op_logits_dtypes, beta):
     """Offline GKD (``lmbda=0``), two micro-batches a step (``num_items_in_batch``). The config's
-    temperature 2 is GKD's sampling temperature: its loss is at ``generalized_jsd_loss``'s default."""
+    temperature 2 is GKD's sampling temperature: its loss is at ``generalized_jsd_loss``'s default.
+    GKD's own path takes the model's logits in its dtype, so the op keeps the input dtype."""
     make = _gkd(tmp_path, beta=beta, temperature=2.0, gradient_accumulation_steps=2)
     reference = _train(make, patched=False)
     assert not op_calls and min(reference[2]) > 0  # TRL's own path: both heads built logits
     ours = _train(make, patched=True)
     assert len(op_calls) == 4 and ours[2] == [0, 0]  # neither head was called
+    assert op_logits_dtypes == [None] * 4
     _assert_same_run(reference, ours)
 
 
@@ -312,14 +330,18 @@ def test_gkd_evaluation_for_metrics_runs_trls_loss_and_says_why(tmp_path, op_cal
 
 
 @BETAS
-def test_distillation_trainer_trains_through_the_op(tmp_path, op_calls, trl_kernel_calls, beta):
+def test_distillation_trainer_trains_through_the_op(
+    tmp_path, op_calls, op_logits_dtypes, trl_kernel_calls, beta
+):
     """On-policy distillation at temperature 2 (divergence and sampling), TRL's ``entropy`` metric
-    included."""
+    included. The op keeps fp32 logits, as TRL's kernel keeps its tiles (on a GPU, bf16 logits
+    would make the gradients ten times less exact than the unpatched trainer's)."""
     make = _distillation(tmp_path, beta=beta, temperature=2.0)
     reference = _train(make, patched=False)
     assert not op_calls and len(trl_kernel_calls) == 2
     ours = _train(make, patched=True)
     assert len(op_calls) == 2 and len(trl_kernel_calls) == 2  # TRL's kernel: the reference's only
+    assert op_logits_dtypes == [torch.float32] * 2
     _assert_same_run(reference, ours, keys=("loss", "grad_norm", "entropy"))
 
 
