@@ -139,19 +139,26 @@ def make_distill_inputs(point: DistillPoint, dtype, ignore_frac: float, corr: fl
 # ---- the implementations: fn(student_hidden, student_weight, labels, setting) -> loss ------------
 
 
-def ours(s_h, s_w, labels, setting: Setting, memory_budget=None):
+def ours(s_h, s_w, labels, setting: Setting, memory_budget=None, logits_dtype=None):
     import liger_patch as lp
 
     t_h, t_w = setting.teacher
     return lp.fused_linear_distillation(
         s_h, s_w, t_h, t_w, labels, beta=setting.beta, temperature=setting.temperature,
         ignore_index=IGNORE, backend=setting.backend, memory_budget=memory_budget,
+        logits_dtype=logits_dtype,
     )  # fmt: skip
 
 
 def ours_1gib(s_h, s_w, labels, setting: Setting):
     """Ours at a 1 GiB working-memory budget: what twice the default buys."""
     return ours(s_h, s_w, labels, setting, memory_budget=1 << 30)
+
+
+def ours_fp32_logits(s_h, s_w, labels, setting: Setting):
+    """Ours with fp32 logits chunks (``logits_dtype=torch.float32``), as TRL's chunked kernel keeps
+    its tiles: what our TRL ``DistillationTrainer`` hook runs."""
+    return ours(s_h, s_w, labels, setting, logits_dtype=torch.float32)
 
 
 def _trl_generalized_jsd() -> Callable:
@@ -220,6 +227,7 @@ def liger_fused_jsd(s_h, s_w, labels, setting: Setting):
 IMPLS: dict[str, Callable] = {
     "ours": ours,
     "ours_1gib": ours_1gib,
+    "ours_fp32_logits": ours_fp32_logits,
     "dense_eager": dense_eager,
     "dense_compile": dense_compile,
     "trl_chunked": trl_chunked,
