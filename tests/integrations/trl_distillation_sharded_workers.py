@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import inspect
 import os
 import sys
@@ -50,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.distributed.tp_workers import transformers_has_distributed_config
 from tests.distributed.workers import leave_rank, wrap_accelerate_fsdp2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -103,10 +105,13 @@ class Counts:
         }
         for key, (home, name) in found.items():
             setattr(home, name, self._counted(key, getattr(home, name)))
-        kernel = distillation_trainer.ChunkedDivergenceFunction
-        distillation_trainer.ChunkedDivergenceFunction = types.SimpleNamespace(
-            apply=self._counted("trl", kernel.apply)
-        )
+        # TRL 1.16 imports the kernel into the trainer's module; 1.15 looks it up in its kernels
+        # module at each call: count it where this version looks it up.
+        home = distillation_trainer
+        if not hasattr(home, "ChunkedDivergenceFunction"):
+            home = importlib.import_module("trl.kernels.chunked_divergence")
+        kernel = home.ChunkedDivergenceFunction
+        home.ChunkedDivergenceFunction = types.SimpleNamespace(apply=self._counted("trl", kernel.apply))
 
     def _counted(self, key: str, fn):
         def counted(*args, **kwargs):
@@ -311,6 +316,8 @@ def fsdp2_teacher_unit(paths: dict, counts: Counts) -> dict:
     upstream = {"mean": torch.tensor(1.0), "none": torch.rand(2, 6, generator=g)}
     out = {}
     for run, (reduction, tp_student) in TEACHER_UNIT_RUNS.items():
+        if tp_student and not transformers_has_distributed_config():
+            continue  # transformers 4.57 loads no tp_plan="auto" model
         student, teacher = load(paths["student"], tp_student), models(96, seed=2)
         whole = {"s": full(student.lm_head.weight), "t": full(teacher.lm_head.weight)}
         for head in (teacher.lm_head,) if tp_student else (student.lm_head, teacher.lm_head):
@@ -539,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {f"fsdp2_{wrap}": fsdp2_distillation(wrap, counts) for wrap in FSDP2_WRAPS}
         results["fsdp2_gkd"] = fsdp2_gkd(counts)
         results["fsdp2_teacher_unit"] = fsdp2_teacher_unit(paths, counts)
-        results |= {f"tp_{kind}": tensor_parallel(kind, paths, counts) for kind in ("tp", "plain")}
+        if transformers_has_distributed_config():  # transformers 5: tp_plan="auto" loading
+            results |= {f"tp_{kind}": tensor_parallel(kind, paths, counts) for kind in ("tp", "plain")}
         results["tp_rowwise_student"] = tp_rowwise_student(paths, counts)
     else:
         results = zero3(args.out, counts)
