@@ -1,8 +1,8 @@
 """What the benchmark scripts share: shapes, inputs, timing, memory measuring and result files.
 
-Used by the kept suite (``flce.py``, ``e2e.py``, ``distributed_gpu.py``) and by the probes in
-``experiments/`` (which put this folder on ``sys.path`` to import it). Importing it needs torch
-only; triton is imported where a function times something.
+Used by the kept suite (``flce.py``, ``distill.py``, ``e2e*.py``, ``distributed_gpu.py``, ...)
+and by the probes in ``experiments/`` (which put this folder on ``sys.path`` to import it).
+Importing it needs torch only; triton is imported where a function times something.
 """
 
 from __future__ import annotations
@@ -194,6 +194,18 @@ def update_json(path: str | Path, key: str, value: object, **head: object) -> No
     data = json.loads(path.read_text()) if path.exists() else dict(head)
     data[key] = value
     write_json(path, data)
+
+
+def report_row(result: dict, table: str, out: str | None) -> None:
+    """After each point of a sweep: print the markdown ``table``'s newest row (the whole table
+    after the first point) and, with ``out``, write ``result`` there as JSON and ``table`` beside
+    it (``.md`` for the suffix) under a line naming the device and versions, so that a cut-off run
+    keeps what it measured."""
+    print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)
+    if out:
+        write_json(out, result)
+        with open(out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n")
 
 
 # ---- shared by the multi-process scripts (distributed_gpu.py, tp_gpu.py) ----
