@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import warnings
 
-from common import LLAMA_3_2_1B, environment, write_json
+from common import LLAMA_3_2_1B, report_runs, run_in_processes
 from e2e_trl import StepClock
 
 VARIANTS = ("unpatched", "liger_patch")
@@ -199,38 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(result))
         return 0
-    results = []
-    for variant in args.variants.split(","):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--one",
-            variant,
-            "--warmup",
-            str(args.warmup),
-            "--steps",
-            str(args.steps),
-        ]
-        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--workdir", args.workdir]
-        cmd += ["--trainer", args.trainer]
-        cmd += ["--smoke"] if args.smoke else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-        if proc.returncode == 0:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        else:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]})
-        print(json.dumps(results[-1]), flush=True)
-    text = table(results)
-    print(text)
-    if args.out:
-        import transformers
-        import trl
-
-        head = {**environment(), "transformers": transformers.__version__, "trl": trl.__version__}
-        write_json(
-            args.out, {**head, "batch": args.batch, "seq": args.seq, "results": results, "table": text}
-        )
+    shared = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--batch", str(args.batch)]
+    shared += ["--seq", str(args.seq), "--workdir", args.workdir, "--trainer", args.trainer]
+    runs = [{"variant": variant} for variant in args.variants.split(",")]
+    results = run_in_processes(__file__, runs, shared + (["--smoke"] if args.smoke else []))
+    report_runs(results, table(results), args.out, ("transformers", "trl"), batch=args.batch, seq=args.seq)
     return 0 if all("error" not in r for r in results) else 1
 
 

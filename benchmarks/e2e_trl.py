@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from common import QWEN2_5_05B, GiB, environment, write_json
+from common import QWEN2_5_05B, GiB, report_runs, run_in_processes
 
 VARIANTS = ("trl", "trl_liger_kernel", "liger_patch", "liger_patch_liger_kernel")
 BATCH, SEQ = 8, 2048
@@ -217,25 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    results = []
-    for variant in args.variants.split(",") * args.rounds:
-        cmd = [sys.executable, __file__, "--one", variant, "--warmup", str(args.warmup)]
-        cmd += ["--steps", str(args.steps), "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-        if proc.returncode == 0:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        else:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]})
-        print(json.dumps(results[-1]), flush=True)
-    text = table(results)
-    print(text)
-    if args.out:
-        import transformers
-        import trl
-
-        head = {**environment(), "transformers": transformers.__version__, "trl": trl.__version__}
-        write_json(args.out, {**head, "batch": BATCH, "seq": SEQ, "results": results, "table": text})
+    shared = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--workdir", args.workdir]
+    runs = [{"variant": variant} for variant in args.variants.split(",") * args.rounds]
+    results = run_in_processes(__file__, runs, shared + (["--smoke"] if args.smoke else []))
+    report_runs(results, table(results), args.out, ("transformers", "trl"), batch=BATCH, seq=SEQ)
     return 0 if all("error" not in r for r in results) else 1
 
 
