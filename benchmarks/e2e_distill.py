@@ -34,7 +34,7 @@ import sys
 import warnings
 
 from common import LLAMA_3_2_1B, report_runs, run_in_processes
-from e2e_trl import StepClock
+from e2e_trl import StepClock, step_table
 
 VARIANTS = ("unpatched", "liger_patch")
 TEACHER = dict(LLAMA_3_2_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)
@@ -156,22 +156,8 @@ def _count_op_calls() -> list:
 
 
 def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["variant"] == "unpatched" and r.get("ms")), None)
-    lines = [
-        "| variant | step ms (median) | vs unpatched | peak GiB | first loss | op calls |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | |")
-            continue
-        ratio = f"{r['ms'] / base['ms']:.3f}x" if base and r["ms"] else ""
-        ms = f"{r['ms']:.1f}" if r["ms"] else "n/a"
-        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "n/a"
-        lines.append(
-            f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.6f} | {r['op_calls']} |"
-        )
-    return "\n".join(lines)
+    columns = {"first loss": lambda r: f"{r['first_loss']:.6f}", "op calls": lambda r: f"{r['op_calls']}"}
+    return "\n".join(step_table(results, "unpatched", "unpatched", columns))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from common import QWEN2_5_05B, GiB, report_runs, run_in_processes
@@ -156,24 +157,32 @@ def run_one(variant: str, warmup: int, steps: int, smoke: bool, out_dir: str) ->
     }
 
 
-def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["variant"] == "trl" and r.get("ms")), None)
-    lines = [
-        "| variant | step ms (median) | vs TRL | peak GiB | first loss | token accuracy | entropy |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def step_table(results: list[dict], base: str, base_label: str, columns: dict[str, Callable]) -> list[str]:
+    """Markdown lines, a row per run of ``StepClock`` results: variant, median step ms, its ratio to
+    the first timed run of the ``base`` variant (``vs <base_label>``), peak GiB ("n/a" off CUDA),
+    then ``columns`` (header: the cell of a result); a failed run's row gives its error."""
+    base_run = next((r for r in results if r["variant"] == base and r.get("ms")), None)
+    head = ["variant", "step ms (median)", f"vs {base_label}", "peak GiB", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['variant']} | error: {r['error']} |" + " |" * (len(head) - 2))
             continue
-        ratio = f"{r['ms'] / base['ms']:.3f}x" if base and r["ms"] else ""
+        ratio = f"{r['ms'] / base_run['ms']:.3f}x" if base_run and r["ms"] else ""
         ms = f"{r['ms']:.1f}" if r["ms"] else "n/a"
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "n/a"
-        lines.append(
-            f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.4f} | "
-            f"{r['first_accuracy']} | {r['first_entropy']} |"
-        )
-    return "\n".join(lines + ["", *summary(results)])
+        cells = [r["variant"], ms, ratio, peak, *(cell(r) for cell in columns.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(results: list[dict]) -> str:
+    columns = {
+        "first loss": lambda r: f"{r['first_loss']:.4f}",
+        "token accuracy": lambda r: f"{r['first_accuracy']}",
+        "entropy": lambda r: f"{r['first_entropy']}",
+    }
+    return "\n".join(step_table(results, "trl", "TRL", columns) + ["", *summary(results)])
 
 
 def summary(results: list[dict]) -> list[str]:
