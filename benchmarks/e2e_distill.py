@@ -34,7 +34,7 @@ import sys
 import warnings
 
 from common import LLAMA_3_2_1B, report_runs, run_in_processes
-from e2e_trl import StepClock, step_table
+from e2e_trl import step_table, timed_callbacks, training_settings
 
 VARIANTS = ("unpatched", "liger_patch")
 TEACHER = dict(LLAMA_3_2_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)
@@ -96,28 +96,9 @@ def run_one(
     )
 
     student, teacher = build_models(smoke)
-    clock = StepClock(warmup, cuda=not smoke)
-    callbacks = [clock.callback]
-    if variant == "liger_patch":
-        from liger_patch import LigerPatchCallback
-
-        callbacks.append(LigerPatchCallback())
+    clock, callbacks = timed_callbacks(warmup, smoke, patched=variant == "liger_patch")
     config = config_class(
-        output_dir=out_dir,
-        beta=0.5,
-        temperature=1.0,
-        per_device_train_batch_size=batch,
-        max_steps=warmup + steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        bf16=not smoke,
-        use_cpu=smoke,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-        **own,
+        **training_settings(out_dir, batch, warmup + steps, smoke), beta=0.5, temperature=1.0, **own
     )
     trainer = trainer_class(
         model=student,

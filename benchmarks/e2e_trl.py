@@ -89,6 +89,38 @@ class StepClock:
         }
 
 
+def timed_callbacks(warmup: int, smoke: bool, patched: bool) -> tuple[StepClock, list]:
+    """A ``StepClock`` (timing only on CUDA, not in ``smoke`` runs) and the trainer's callbacks:
+    the clock's, then ``LigerPatchCallback`` when ``patched``."""
+    clock = StepClock(warmup, cuda=not smoke)
+    callbacks = [clock.callback]
+    if patched:
+        from liger_patch import LigerPatchCallback
+
+        callbacks.append(LigerPatchCallback())
+    return clock, callbacks
+
+
+def training_settings(out_dir: str, batch: int, max_steps: int, smoke: bool) -> dict:
+    """The training arguments the TRL benchmarks share: ``max_steps`` steps of ``batch`` rows at a
+    learning rate of 1e-5, every step logged, bf16 (``smoke``: fp32 on the CPU), fixed seeds,
+    nothing saved or reported."""
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        max_steps=max_steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        bf16=not smoke,
+        use_cpu=smoke,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+
+
 def build_model(smoke: bool):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -115,27 +147,11 @@ def run_one(variant: str, warmup: int, steps: int, smoke: bool, out_dir: str) ->
     batch, seq = (2, 32) if smoke else (BATCH, SEQ)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, ((warmup + steps) * batch, seq), generator=gen)
-    clock = StepClock(warmup, cuda=not smoke)
-    callbacks = [clock.callback]
-    if variant.startswith("liger_patch"):
-        from liger_patch import LigerPatchCallback
-
-        callbacks.append(LigerPatchCallback())
+    clock, callbacks = timed_callbacks(warmup, smoke, patched=variant.startswith("liger_patch"))
     config = SFTConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
+        **training_settings(out_dir, batch, warmup + steps, smoke),
         max_length=seq,
-        max_steps=warmup + steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        bf16=not smoke,
-        use_cpu=smoke,
         use_liger_kernel=variant.endswith("liger_kernel"),
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
     )
     trainer = SFTTrainer(
         model=model,
