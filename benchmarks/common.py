@@ -1,16 +1,20 @@
-"""What the benchmark scripts share: shapes, inputs, timing, memory measuring and result files.
+"""What the benchmark scripts share: shapes, inputs, timing, memory measuring, result files and
+the process-per-variant runner.
 
-Used by the kept suite (``flce.py``, ``e2e.py``, ``distributed_gpu.py``) and by the probes in
-``experiments/`` (which put this folder on ``sys.path`` to import it). Importing it needs torch
-only; triton is imported where a function times something.
+Used by the kept suite (``flce.py``, ``distill.py``, ``e2e*.py``, ``distributed_gpu.py``, ...)
+and by the probes in ``experiments/`` (which put this folder on ``sys.path`` to import it).
+Importing it needs torch only; triton is imported where a function times something.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,8 +172,9 @@ def extra_memory_mib(fn, hidden, weight, labels) -> float:
     return (mem.peak - mem.start - grads) / MiB
 
 
-def environment() -> dict:
-    """Device and versions, for the head of a result file."""
+def environment(*packages: str) -> dict:
+    """Device and versions (torch, triton, python, then each of ``packages``), for the head of a
+    result file."""
     import triton
 
     return {
@@ -177,6 +182,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        **{name: importlib.import_module(name).__version__ for name in packages},
     }
 
 
@@ -194,6 +200,48 @@ def update_json(path: str | Path, key: str, value: object, **head: object) -> No
     data = json.loads(path.read_text()) if path.exists() else dict(head)
     data[key] = value
     write_json(path, data)
+
+
+def report_row(result: dict, table: str, out: str | None) -> None:
+    """After each point of a sweep: print the markdown ``table``'s newest row (the whole table
+    after the first point) and, with ``out``, write ``result`` there as JSON and ``table`` beside
+    it (``.md`` for the suffix) under a line naming the device and versions, so that a cut-off run
+    keeps what it measured."""
+    print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)
+    if out:
+        write_json(out, result)
+        with open(out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n")
+
+
+# ---- shared by the end-to-end scripts (e2e.py, e2e_trl.py, e2e_distill.py) ----
+
+
+def run_in_processes(script: str, runs: list[dict], args: list[str], echo_stderr: bool = True) -> list[dict]:
+    """Each run in its own process, so that patches and allocator state do not leak between runs:
+    ``python script --one <the run's values> <args>``, whose last stdout line is its JSON result.
+    A failed run's result is the run itself with ``error``, its stderr's last line (with
+    ``echo_stderr`` its stderr's tail is printed too). Each result is printed as it comes."""
+    results = []
+    for run in runs:
+        cmd = [sys.executable, script, "--one", *run.values(), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
+        if proc.returncode == 0:
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        else:
+            if echo_stderr:
+                print(proc.stderr[-3000:], file=sys.stderr)
+            results.append({**run, "error": proc.stderr.strip().splitlines()[-1:]})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def report_runs(results: list[dict], table: str, out: str | None, packages: tuple = (), **head) -> None:
+    """Print the markdown ``table`` of ``results`` and, with ``out``, write both there as JSON
+    after the ``environment`` (with the versions of ``packages``) and the ``head`` fields."""
+    print(table)
+    if out:
+        write_json(out, {**environment(*packages), **head, "results": results, "table": table})
 
 
 # ---- shared by the multi-process scripts (distributed_gpu.py, tp_gpu.py) ----

@@ -74,7 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from common import bench, environment, extra_memory_mib, fwd_bwd, make_inputs, need_cuda, write_json
+from common import bench, environment, extra_memory_mib, fwd_bwd, make_inputs, need_cuda, report_row
 
 IGNORE = -100
 
@@ -525,14 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         result["rows"].append(bench_point(point, impls, setting, args))
         result["rows"][-1]["wall_s"] = time.perf_counter() - start
-        table = markdown(result["rows"])
-        print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)
-        if args.out:
-            write_json(args.out, result)
-            with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
-                f.write(
-                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n"
-                )
+        report_row(result, markdown(result["rows"]), args.out)
     return 0
 
 

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 
-from common import LLAMA_3_2_1B, QWEN2_5_05B, QWEN2_5_7B, GiB, PeakMemory, environment, write_json
+from common import LLAMA_3_2_1B, QWEN2_5_05B, QWEN2_5_7B, GiB, PeakMemory, report_runs, run_in_processes
 
 ROWS = {  # row: (family, config, batch, sequence length, gradient checkpointing, AMP)
     "llama1b_8x2048": ("llama", LLAMA_3_2_1B, 8, 2048, False, False),
@@ -147,30 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(*args.one, args.warmup, args.steps, args.ignore_frac)))
         return 0
 
-    results = []
-    for row in args.rows.split(","):
-        for variant in args.variants.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--one",
-                row,
-                variant,
-                "--warmup",
-                str(args.warmup),
-                "--steps",
-                str(args.steps),
-                "--ignore-frac",
-                str(args.ignore_frac),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-            if proc.returncode == 0:
-                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            else:
-                results.append(
-                    {"row": row, "variant": variant, "error": proc.stderr.strip().splitlines()[-1:]}
-                )
-            print(json.dumps(results[-1]), flush=True)
+    runs = [{"row": row, "variant": v} for row in args.rows.split(",") for v in args.variants.split(",")]
+    shared = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    results = run_in_processes(
+        __file__, runs, shared + ["--ignore-frac", str(args.ignore_frac)], echo_stderr=False
+    )
 
     lines = [
         "| model, tokens | " + " | ".join(args.variants.split(",")) + " |",
@@ -188,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             dloss = f", loss diff {abs(r['first_loss'] - base['first_loss']):.1e}" if base else ""
             cells.append(f"{r['ms']:.0f} ms, {r['peak_gib']:.1f} GiB{dloss}")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        write_json(args.out, {**environment(), "results": results, "table": table})
+    report_runs(results, "\n".join(lines), args.out)
     return 0
 
 

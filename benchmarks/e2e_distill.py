@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import warnings
 
-from common import LLAMA_3_2_1B, environment, write_json
-from e2e_trl import StepClock
+from common import LLAMA_3_2_1B, report_runs, run_in_processes
+from e2e_trl import step_table, timed_callbacks, training_settings
 
 VARIANTS = ("unpatched", "liger_patch")
 TEACHER = dict(LLAMA_3_2_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128)
@@ -98,28 +96,9 @@ def run_one(
     )
 
     student, teacher = build_models(smoke)
-    clock = StepClock(warmup, cuda=not smoke)
-    callbacks = [clock.callback]
-    if variant == "liger_patch":
-        from liger_patch import LigerPatchCallback
-
-        callbacks.append(LigerPatchCallback())
+    clock, callbacks = timed_callbacks(warmup, smoke, patched=variant == "liger_patch")
     config = config_class(
-        output_dir=out_dir,
-        beta=0.5,
-        temperature=1.0,
-        per_device_train_batch_size=batch,
-        max_steps=warmup + steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        bf16=not smoke,
-        use_cpu=smoke,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-        **own,
+        **training_settings(out_dir, batch, warmup + steps, smoke), beta=0.5, temperature=1.0, **own
     )
     trainer = trainer_class(
         model=student,
@@ -158,22 +137,8 @@ def _count_op_calls() -> list:
 
 
 def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["variant"] == "unpatched" and r.get("ms")), None)
-    lines = [
-        "| variant | step ms (median) | vs unpatched | peak GiB | first loss | op calls |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | |")
-            continue
-        ratio = f"{r['ms'] / base['ms']:.3f}x" if base and r["ms"] else ""
-        ms = f"{r['ms']:.1f}" if r["ms"] else "n/a"
-        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "n/a"
-        lines.append(
-            f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.6f} | {r['op_calls']} |"
-        )
-    return "\n".join(lines)
+    columns = {"first loss": lambda r: f"{r['first_loss']:.6f}", "op calls": lambda r: f"{r['op_calls']}"}
+    return "\n".join(step_table(results, "unpatched", "unpatched", columns))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,38 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(result))
         return 0
-    results = []
-    for variant in args.variants.split(","):
-        cmd = [
-            sys.executable,
-            __file__,
-            "--one",
-            variant,
-            "--warmup",
-            str(args.warmup),
-            "--steps",
-            str(args.steps),
-        ]
-        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--workdir", args.workdir]
-        cmd += ["--trainer", args.trainer]
-        cmd += ["--smoke"] if args.smoke else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-        if proc.returncode == 0:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        else:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]})
-        print(json.dumps(results[-1]), flush=True)
-    text = table(results)
-    print(text)
-    if args.out:
-        import transformers
-        import trl
-
-        head = {**environment(), "transformers": transformers.__version__, "trl": trl.__version__}
-        write_json(
-            args.out, {**head, "batch": args.batch, "seq": args.seq, "results": results, "table": text}
-        )
+    shared = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--batch", str(args.batch)]
+    shared += ["--seq", str(args.seq), "--workdir", args.workdir, "--trainer", args.trainer]
+    runs = [{"variant": variant} for variant in args.variants.split(",")]
+    results = run_in_processes(__file__, runs, shared + (["--smoke"] if args.smoke else []))
+    report_runs(results, table(results), args.out, ("transformers", "trl"), batch=args.batch, seq=args.seq)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from common import QWEN2_5_05B, GiB, environment, write_json
+from common import QWEN2_5_05B, GiB, report_runs, run_in_processes
 
 VARIANTS = ("trl", "trl_liger_kernel", "liger_patch", "liger_patch_liger_kernel")
 BATCH, SEQ = 8, 2048
@@ -90,6 +89,38 @@ class StepClock:
         }
 
 
+def timed_callbacks(warmup: int, smoke: bool, patched: bool) -> tuple[StepClock, list]:
+    """A ``StepClock`` (timing only on CUDA, not in ``smoke`` runs) and the trainer's callbacks:
+    the clock's, then ``LigerPatchCallback`` when ``patched``."""
+    clock = StepClock(warmup, cuda=not smoke)
+    callbacks = [clock.callback]
+    if patched:
+        from liger_patch import LigerPatchCallback
+
+        callbacks.append(LigerPatchCallback())
+    return clock, callbacks
+
+
+def training_settings(out_dir: str, batch: int, max_steps: int, smoke: bool) -> dict:
+    """The training arguments the TRL benchmarks share: ``max_steps`` steps of ``batch`` rows at a
+    learning rate of 1e-5, every step logged, bf16 (``smoke``: fp32 on the CPU), fixed seeds,
+    nothing saved or reported."""
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=batch,
+        max_steps=max_steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        bf16=not smoke,
+        use_cpu=smoke,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+
+
 def build_model(smoke: bool):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -116,27 +147,11 @@ def run_one(variant: str, warmup: int, steps: int, smoke: bool, out_dir: str) ->
     batch, seq = (2, 32) if smoke else (BATCH, SEQ)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, ((warmup + steps) * batch, seq), generator=gen)
-    clock = StepClock(warmup, cuda=not smoke)
-    callbacks = [clock.callback]
-    if variant.startswith("liger_patch"):
-        from liger_patch import LigerPatchCallback
-
-        callbacks.append(LigerPatchCallback())
+    clock, callbacks = timed_callbacks(warmup, smoke, patched=variant.startswith("liger_patch"))
     config = SFTConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
+        **training_settings(out_dir, batch, warmup + steps, smoke),
         max_length=seq,
-        max_steps=warmup + steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        bf16=not smoke,
-        use_cpu=smoke,
         use_liger_kernel=variant.endswith("liger_kernel"),
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
     )
     trainer = SFTTrainer(
         model=model,
@@ -158,24 +173,32 @@ def run_one(variant: str, warmup: int, steps: int, smoke: bool, out_dir: str) ->
     }
 
 
-def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["variant"] == "trl" and r.get("ms")), None)
-    lines = [
-        "| variant | step ms (median) | vs TRL | peak GiB | first loss | token accuracy | entropy |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def step_table(results: list[dict], base: str, base_label: str, columns: dict[str, Callable]) -> list[str]:
+    """Markdown lines, a row per run of ``StepClock`` results: variant, median step ms, its ratio to
+    the first timed run of the ``base`` variant (``vs <base_label>``), peak GiB ("n/a" off CUDA),
+    then ``columns`` (header: the cell of a result); a failed run's row gives its error."""
+    base_run = next((r for r in results if r["variant"] == base and r.get("ms")), None)
+    head = ["variant", "step ms (median)", f"vs {base_label}", "peak GiB", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['variant']} | error: {r['error']} |" + " |" * (len(head) - 2))
             continue
-        ratio = f"{r['ms'] / base['ms']:.3f}x" if base and r["ms"] else ""
+        ratio = f"{r['ms'] / base_run['ms']:.3f}x" if base_run and r["ms"] else ""
         ms = f"{r['ms']:.1f}" if r["ms"] else "n/a"
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "n/a"
-        lines.append(
-            f"| {r['variant']} | {ms} | {ratio} | {peak} | {r['first_loss']:.4f} | "
-            f"{r['first_accuracy']} | {r['first_entropy']} |"
-        )
-    return "\n".join(lines + ["", *summary(results)])
+        cells = [r["variant"], ms, ratio, peak, *(cell(r) for cell in columns.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(results: list[dict]) -> str:
+    columns = {
+        "first loss": lambda r: f"{r['first_loss']:.4f}",
+        "token accuracy": lambda r: f"{r['first_accuracy']}",
+        "entropy": lambda r: f"{r['first_entropy']}",
+    }
+    return "\n".join(step_table(results, "trl", "TRL", columns) + ["", *summary(results)])
 
 
 def summary(results: list[dict]) -> list[str]:
@@ -217,25 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    results = []
-    for variant in args.variants.split(",") * args.rounds:
-        cmd = [sys.executable, __file__, "--one", variant, "--warmup", str(args.warmup)]
-        cmd += ["--steps", str(args.steps), "--workdir", args.workdir] + (["--smoke"] if args.smoke else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=900)
-        if proc.returncode == 0:
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        else:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            results.append({"variant": variant, "error": proc.stderr.strip().splitlines()[-1:]})
-        print(json.dumps(results[-1]), flush=True)
-    text = table(results)
-    print(text)
-    if args.out:
-        import transformers
-        import trl
-
-        head = {**environment(), "transformers": transformers.__version__, "trl": trl.__version__}
-        write_json(args.out, {**head, "batch": BATCH, "seq": SEQ, "results": results, "table": text})
+    shared = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--workdir", args.workdir]
+    runs = [{"variant": variant} for variant in args.variants.split(",") * args.rounds]
+    results = run_in_processes(__file__, runs, shared + (["--smoke"] if args.smoke else []))
+    report_runs(results, table(results), args.out, ("transformers", "trl"), batch=BATCH, seq=SEQ)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -41,8 +41,8 @@ from common import (
     fwd_bwd,
     make_inputs,
     need_cuda,
+    report_row,
     time_floor,
-    write_json,
 )
 from grid import GRID, GRID_IGNORE_FRACS, GRID_INPUTS, GridPoint
 
@@ -385,14 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     # results are written after every point, so a cut-off run keeps them
     for point, ignore_frac in itertools.product(points, ignore_fracs):
         result["rows"].append(bench_point(point, impls, ignore_frac, args.rep_ms, logit_std, args.rounds))
-        table = markdown(result["rows"])
-        print(table.splitlines()[-1] if len(result["rows"]) > 1 else table, flush=True)
-        if args.out:
-            write_json(args.out, result)
-            with open(args.out.rsplit(".", 1)[0] + ".md", "w") as f:
-                f.write(
-                    f"{result['device']}, torch {result['torch']}, triton {result['triton']}\n\n{table}\n"
-                )
+        report_row(result, markdown(result["rows"]), args.out)
     return 0
 
 

@@ -6,22 +6,15 @@ reported missing); TRL is in the test extra."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 REQUIRED = ("ours", "dense_eager", "dense_compile", "trl_chunked")  # liger-kernel's two are optional
 
 
 @pytest.fixture(scope="module")
-def distill():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))  # the scripts import their helpers as top-level modules
-        import distill
-
-        yield distill
+def distill(import_script):
+    return import_script("distill")
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])

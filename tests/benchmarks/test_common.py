@@ -1,0 +1,65 @@
+"""``benchmarks/common.py``'s result helpers: the process-per-variant runner of the end-to-end
+scripts, what they print and write after it, and the JSON plus markdown table that the sweeps
+(``flce.py``, ``distill.py``) write after every point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+CHILD = """\
+import json, sys
+_, one, row, variant, flag = sys.argv
+if variant == "bad":
+    sys.exit("RuntimeError: boom")
+print("a line before the result")
+print(json.dumps({"row": row, "variant": variant, "one": one, "flag": flag}))
+"""
+
+
+@pytest.fixture(scope="module")
+def common(import_script):
+    return import_script("common")
+
+
+def test_each_run_is_a_process_whose_last_line_is_its_result(common, tmp_path, capsys):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runs = [{"row": "r1", "variant": "good"}, {"row": "r2", "variant": "bad"}]
+    results = common.run_in_processes(str(script), runs, ["--flag"])
+    assert results == [
+        {"row": "r1", "variant": "good", "one": "--one", "flag": "--flag"},
+        {"row": "r2", "variant": "bad", "error": ["RuntimeError: boom"]},
+    ]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [json.dumps(r) for r in results]
+    assert err.strip() == "RuntimeError: boom"  # a failed run's stderr, echoed
+    common.run_in_processes(str(script), runs[1:], ["--flag"], echo_stderr=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_report_runs_prints_the_table_and_writes_the_head_first(common, tmp_path, capsys):
+    out = tmp_path / "results" / "e2e.json"
+    common.report_runs([{"variant": "a"}], "| table |", str(out), ("pytest",), batch=2, seq=8)
+    assert capsys.readouterr().out == "| table |\n"
+    data = json.loads(out.read_text())
+    assert list(data) == ["device", "torch", "triton", "python", "pytest", "batch", "seq", "results", "table"]
+    assert (data["pytest"], data["batch"], data["seq"]) == (pytest.__version__, 2, 8)
+    assert (data["results"], data["table"]) == ([{"variant": "a"}], "| table |")
+    common.report_runs([], "| table |", None)  # no --out: printed only
+    assert capsys.readouterr().out == "| table |\n"
+
+
+def test_report_row_prints_the_newest_row_and_writes_json_and_markdown(common, tmp_path, capsys):
+    result = {"device": "cpu", "torch": "2.x", "triton": "3.x", "rows": [{"n": 1}]}
+    out = tmp_path / "results" / "sweep.v2.json"
+    table = "| n |\n|---|\n| 1 |"
+    common.report_row(result, table, str(out))
+    assert capsys.readouterr().out == table + "\n"  # the whole table after the first point
+    result["rows"].append({"n": 2})
+    common.report_row(result, table + "\n| 2 |", str(out))
+    assert capsys.readouterr().out == "| 2 |\n"
+    assert json.loads(out.read_text()) == result
+    md = tmp_path / "results" / "sweep.v2.md"
+    assert md.read_text() == "cpu, torch 2.x, triton 3.x\n\n| n |\n|---|\n| 1 |\n| 2 |\n"
