@@ -5,13 +5,19 @@ Each (model, tokens, variant) runs in its own process so that patches and alloca
 not leak between variants. Rows: Llama-3.2-1B and Qwen2.5-0.5B shapes, and a Qwen2.5-7B shape
 with gradient checkpointing. Variants: ``unpatched``, ``liger_kernel`` (liger-kernel's fused linear
 cross-entropy patch only: rope, rms_norm, swiglu and its plain cross-entropy off) when it is
-importable, ``liger_patch`` (ours) and ``liger_patch_lean`` (ours, ``memory_budget="lean"``).
-Reported: median step time over the timed steps, peak
+importable, ``liger_patch`` (ours) and ``liger_patch_lean`` (ours, ``memory_budget="lean"``); by
+``--variants`` only, PyTorch's own heads on the unpatched model: ``torch_compile`` and
+``torch_linear_ce`` run the decoder as is, then ``benchmarks/flce.py``'s loss of that name (the
+``torch.compile``d eager loss; PyTorch's chunked ``F.linear_cross_entropy``, whose row carries the
+reason where the installed torch lacks it and ``TORCH_LCE_SOURCE`` is unset) on the flat hidden
+states, the head's weight and the labels shifted as HF's ``ForCausalLMLoss`` shifts them (inside
+the forward's autocast in the AMP rows). Reported: median step time over the timed steps, peak
 memory allocated in the steady state, and the first step's loss (same seed and init for all).
 
     python benchmarks/e2e.py --out docs/results/e2e.json
     python benchmarks/e2e.py --variants unpatched,liger_kernel,liger_patch,liger_kernel,liger_patch --steps 8
     python benchmarks/e2e.py --ignore-frac 0.25 --out docs/results/e2e_sft.json   # prompts masked
+    python benchmarks/e2e.py --variants unpatched,torch_compile,torch_linear_ce,liger_patch  # PyTorch heads
 
 A variant named twice runs twice (interleaved A/B). Model shapes and the memory measure come from
 ``benchmarks/common.py``.
@@ -36,6 +42,7 @@ ROWS = {  # row: (family, config, batch, sequence length, gradient checkpointing
     "qwen05b_amp_8x2048": ("qwen2", QWEN2_5_05B, 8, 2048, False, True),
 }
 VARIANTS = ("unpatched", "liger_kernel", "liger_patch", "liger_patch_lean")
+PEER_HEADS = ("torch_compile", "torch_linear_ce")  # head + loss: flce.py's function of that name
 
 
 def make_config(family: str, config: dict):
@@ -81,13 +88,44 @@ def make_labels(ids, ignore_frac: float):
     return labels
 
 
-def train_step(model, opt, ids, amp: bool, labels=None):
+def peer_head(variant: str):
+    """The loss function of (flat hidden states, head weight, flat labels) that replaces the HF
+    head + loss for the variant: ``flce.py``'s function of its name for ``PEER_HEADS``, else
+    ``None`` (the model's own forward)."""
+    if variant not in PEER_HEADS:
+        return None
+    import flce
+
+    return getattr(flce, variant)
+
+
+def shift_labels(labels):
+    """HF's ``ForCausalLMLoss`` shift: position t is scored on label t + 1, the last one on -100."""
+    import torch.nn.functional as F
+
+    return F.pad(labels, (0, 1), value=-100)[..., 1:]
+
+
+def split_head_loss(head, model, ids, labels):
+    """The causal LM loss with the decoder run as is and the head + loss done by ``head`` on the
+    flat hidden states, the head's weight and the shifted labels: HF's own loss when ``head``
+    computes the fp32 cross-entropy of ``hidden @ weight.T``, mean over the kept labels."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    return head(hidden.flatten(0, -2), model.lm_head.weight, shift_labels(labels).flatten())
+
+
+def train_step(model, opt, ids, amp: bool, labels=None, head=None):
     """One optimizer step on ``ids`` (their own labels unless ``labels`` are given), the forward
-    under bf16 autocast for ``amp``; returns the loss, detached."""
+    (with the ``head`` of ``split_head_loss`` when given) under bf16 autocast for ``amp``; returns
+    the loss, detached."""
     import torch
 
+    labels = ids if labels is None else labels
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-        loss = model(input_ids=ids, labels=ids if labels is None else labels).loss
+        if head is None:
+            loss = model(input_ids=ids, labels=labels).loss
+        else:
+            loss = split_head_loss(head, model, ids, labels)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -99,9 +137,10 @@ def run_one(row: str, variant: str, warmup: int, steps: int, ignore_frac: float 
 
     model, opt, ids = build(row, variant)
     labels = make_labels(ids, ignore_frac)
+    head = peer_head(variant)
 
     def step():
-        return train_step(model, opt, ids, amp=ROWS[row][5], labels=labels)
+        return train_step(model, opt, ids, amp=ROWS[row][5], labels=labels, head=head)
 
     first_loss = float(step())
     for _ in range(warmup - 1):
