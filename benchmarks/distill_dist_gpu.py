@@ -71,7 +71,8 @@ loss is judged (bf16 tolerance); the rest is reported.
 ``--smoke`` runs the same code on the CPU over gloo (DeepSpeed's CPU accelerator), tiny shapes,
 fewer cases, no memory figures: a check of the script (``tests/benchmarks/test_distill_dist_gpu.py``
 runs it). ``--budget-s``: parts not started by then are skipped and listed (parity parts come
-first, then the size parts); ``--parts`` runs some of them.
+first, then the size parts); ``--deadline-s``: every rank exits (124) then, whatever it is doing;
+``--parts`` runs some of them.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -1013,16 +1015,31 @@ def start(smoke: bool) -> str:
     return "cuda"
 
 
+def watchdog(seconds: float) -> None:
+    """End this rank (exit 124) after ``seconds`` whatever it is doing, a hung collective
+    included: the JSON of the parts finished by then stays."""
+
+    def expire() -> None:
+        print(f"distill_dist_gpu: deadline of {seconds:.0f} s passed; exiting", file=sys.stderr, flush=True)
+        os._exit(124)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON (and beside it the table, .md)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
     parser.add_argument("--budget-s", type=float, default=330.0, help="no part starts after this")
+    parser.add_argument("--deadline-s", type=float, default=450.0, help="every rank exits (124) at this")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes: checks the script")
     args = parser.parse_args(argv)
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
+    watchdog(args.deadline_s)
     device = start(args.smoke)
     warnings.filterwarnings("ignore")
     import datasets
