@@ -46,6 +46,7 @@ import sys
 import types
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +67,22 @@ FSDP2_WRAPS = {
 """How the student is wrapped, and the beta it is trained with."""
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where and how the scenarios run: by default the tests' CPU ranks, fp32, the op's PyTorch
+    backend, V = 1001. ``benchmarks/distill_dist_gpu.py`` runs them on GPUs over NCCL, with the
+    default backend, in fp32 and bf16, and a vocabulary the tensor-parallel size divides
+    (transformers 5.17 refuses any other)."""
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    backend: str = "torch"
+    vocab: int = V
+
+
+CPU = Place()
+
+
 def sharpened(model):
     """``model`` with its head scaled so that its logits spread as a trained model's."""
     with torch.no_grad():
@@ -73,10 +90,11 @@ def sharpened(model):
     return model
 
 
-def models(hidden: int = 64, seed: int = 1):
+def models(hidden: int = 64, seed: int = 1, place: Place = CPU):
     from tiny_trl import tiny_model
 
-    return sharpened(tiny_model(vocab_size=V, seed=seed, hidden_size=hidden))
+    model = sharpened(tiny_model(vocab_size=place.vocab, seed=seed, hidden_size=hidden))
+    return model.to(place.device, place.dtype)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -159,28 +177,31 @@ def gkd_trainer(student, teacher, beta: float):
     return trainer
 
 
-def distillation_batch(seed: int, n_total: float) -> dict:
+def distillation_batch(seed: int, n_total: float, place: Place = CPU) -> dict:
     """Prompt and completion ids as ``DistillationTrainer._generate_and_score_completions`` leaves
     them; completion positions masked at the ends of some rows; ``num_items_in_batch`` counted on
     every rank."""
     g = torch.Generator().manual_seed(seed)
-    prompt, completion = torch.randint(3, V, (2, 5), generator=g), torch.randint(3, V, (2, 7), generator=g)
+    prompt = torch.randint(3, place.vocab, (2, 5), generator=g)
+    completion = torch.randint(3, place.vocab, (2, 7), generator=g)
     mask = torch.ones_like(completion)
     mask[0, 5:] = 0
     mask[1, 4:] = seed % 2
-    return dict(
+    batch = dict(
         prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), completion_ids=completion,
         completion_mask=mask, num_items_in_batch=torch.tensor(n_total),
     )  # fmt: skip
+    return {k: t.to(place.device) for k, t in batch.items()}
 
 
-def gkd_batch(seed: int) -> dict:
+def gkd_batch(seed: int, place: Place = CPU) -> dict:
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (2, 9), generator=g)
+    ids = torch.randint(3, place.vocab, (2, 9), generator=g)
     labels = ids.clone()
     labels[:, :4] = -100
     labels[1, 7:] = -100
-    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    return {k: t.to(place.device) for k, t in batch.items()}
 
 
 def _distillation_step(trainer, student, batch: dict, counts: Counts) -> dict:
@@ -201,7 +222,7 @@ def _distillation_step(trainer, student, batch: dict, counts: Counts) -> dict:
 
 
 def _gkd_step(trainer, student, batch: dict, counts: Counts) -> dict:
-    n = torch.tensor(float((batch["labels"][:, 1:] != -100).sum()))
+    n = (batch["labels"][:, 1:] != -100).sum().float()
     head_calls = []
     hook = student.get_output_embeddings().register_forward_pre_hook(lambda *_: head_calls.append(1))
     loss = trainer.compute_loss(student, batch, num_items_in_batch=n)
@@ -222,11 +243,11 @@ def _bypass(model) -> str | None:
 # ------------------------------------------------------------------ FSDP2
 
 
-def wrap_fsdp2(model, wrap: str):
+def wrap_fsdp2(model, wrap: str, place: Place = CPU):
     from torch.distributed.fsdp import fully_shard
 
     if wrap == "tail_unit":
-        return wrap_accelerate_fsdp2(model, torch.device("cpu"))
+        return wrap_accelerate_fsdp2(model, torch.device(place.device))
     for layer in model.model.layers:
         fully_shard(layer)
     if wrap == "head_unit":
@@ -235,26 +256,26 @@ def wrap_fsdp2(model, wrap: str):
     return model
 
 
-def fsdp2_distillation(wrap: str, counts: Counts) -> dict:
+def fsdp2_distillation(wrap: str, counts: Counts, place: Place = CPU) -> dict:
     import liger_patch as lp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     beta = FSDP2_WRAPS[wrap]
-    batches = [distillation_batch(10 + r, 0.0) for r in range(world)]
+    batches = [distillation_batch(10 + r, 0.0, place) for r in range(world)]
     n_total = float(sum(int(b["completion_mask"].sum()) for b in batches))
     for b in batches:
-        b["num_items_in_batch"] = torch.tensor(n_total)
+        b["num_items_in_batch"] = torch.tensor(n_total, device=place.device)
     out = {}
     for patched in (False, True):
-        student, teacher = models(), models(96, seed=2)
+        student, teacher = models(place=place), models(96, seed=2, place=place)
         if patched:
-            lp.apply_liger_to(student, backend="torch")
-        wrap_fsdp2(student, wrap).train()
+            lp.apply_liger_to(student, backend=place.backend)
+        wrap_fsdp2(student, wrap, place).train()
         trainer = distillation_trainer(student, teacher, beta, world)
         out["patched" if patched else "unpatched"] = _distillation_step(
             trainer, student, batches[rank], counts
         )
-    student, teacher = models(), models(96, seed=2)
+    student, teacher = models(place=place), models(96, seed=2, place=place)
     trainer = distillation_trainer(student.train(), teacher, beta, world)
     losses = [trainer.compute_loss(student, b) for b in batches]  # TRL's path, unsharded
     torch.stack(losses).mean().backward()  # FSDP2 averages the ranks' gradients
@@ -262,23 +283,24 @@ def fsdp2_distillation(wrap: str, counts: Counts) -> dict:
     return out
 
 
-def fsdp2_gkd(counts: Counts) -> dict:
+def fsdp2_gkd(counts: Counts, place: Place = CPU) -> dict:
     import liger_patch as lp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for patched in (False, True):
-        student, teacher = models(), models(96, seed=2)
+        student, teacher = models(place=place), models(96, seed=2, place=place)
         if patched:
-            lp.apply_liger_to(student, backend="torch")
-        wrap_fsdp2(student, "head_unit").train()
+            lp.apply_liger_to(student, backend=place.backend)
+        wrap_fsdp2(student, "head_unit", place).train()
         out["patched" if patched else "unpatched"] = _gkd_step(
-            gkd_trainer(student, teacher, BETA), student, gkd_batch(20 + rank), counts
+            gkd_trainer(student, teacher, BETA), student, gkd_batch(20 + rank, place), counts
         )
-    student, teacher = models(), models(96, seed=2)
+    student, teacher = models(place=place), models(96, seed=2, place=place)
     trainer = gkd_trainer(student.train(), teacher, BETA)
-    n = [torch.tensor(float((gkd_batch(20 + r)["labels"][:, 1:] != -100).sum())) for r in range(world)]
-    losses = [trainer.compute_loss(student, gkd_batch(20 + r), num_items_in_batch=n[r]) for r in range(world)]
+    batches = [gkd_batch(20 + r, place) for r in range(world)]
+    counted = [(b, (b["labels"][:, 1:] != -100).sum().float()) for b in batches]
+    losses = [trainer.compute_loss(student, b, num_items_in_batch=n) for b, n in counted]
     torch.stack(losses).mean().backward()
     out["reference"] = {"loss": losses[rank].detach(), "grads": grads_of(student), "ran": counts.take()}
     return out
@@ -302,7 +324,7 @@ TEACHER_UNIT_RUNS = {"mean": ("mean", False), "none": ("none", False), "tp_stude
 vocabulary-parallel op, whose backward recomputes from the teacher's rows)."""
 
 
-def fsdp2_teacher_unit(paths: dict, counts: Counts) -> dict:
+def fsdp2_teacher_unit(paths: dict, counts: Counts, place: Place = CPU) -> dict:
     """``distill_on_heads`` with the teacher's head an FSDP2 unit (its all-gathers counted), the
     student's an FSDP2 unit too or tensor-parallel."""
     from torch.distributed.fsdp import fully_shard
@@ -314,18 +336,20 @@ def fsdp2_teacher_unit(paths: dict, counts: Counts) -> dict:
     hs, ht = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 96, generator=g)
     labels = torch.where(torch.rand(2, 6, generator=g) > 0.3, 0, -100)
     upstream = {"mean": torch.tensor(1.0), "none": torch.rand(2, 6, generator=g)}
+    hs, ht = hs.to(place.device, place.dtype), ht.to(place.device, place.dtype)
+    labels, upstream = labels.to(place.device), {k: u.to(place.device) for k, u in upstream.items()}
     out = {}
     for run, (reduction, tp_student) in TEACHER_UNIT_RUNS.items():
         if tp_student and not transformers_has_distributed_config():
             continue  # transformers 4.57 loads no tp_plan="auto" model
-        student, teacher = load(paths["student"], tp_student), models(96, seed=2)
+        student, teacher = load(paths["student"], tp_student, place), models(96, seed=2, place=place)
         whole = {"s": full(student.lm_head.weight), "t": full(teacher.lm_head.weight)}
         for head in (teacher.lm_head,) if tp_student else (student.lm_head, teacher.lm_head):
             fully_shard(head, reshard_after_forward=True)  # (a root unit keeps its weight gathered)
         gathers = count_unshards(teacher.lm_head)
         h = hs.clone().requires_grad_()
         options = dict(
-            beta=BETA, temperature=TEMPERATURE, reduction=reduction, backend="torch", memory_budget=None
+            beta=BETA, temperature=TEMPERATURE, reduction=reduction, backend=place.backend, memory_budget=None
         )
         loss, _ = distill_on_heads(
             DistillSide(h, student.lm_head), DistillSide(ht, teacher.lm_head), labels, **options
@@ -346,24 +370,29 @@ def fsdp2_teacher_unit(paths: dict, counts: Counts) -> dict:
 # ------------------------------------------------------------------ tensor parallelism
 
 
-def checkpoints(out_dir: Path) -> dict[str, Path]:
+def checkpoints(out_dir: Path, place: Place = CPU) -> dict[str, Path]:
+    """The student and the teacher saved (fp32, on the CPU) for every rank to load."""
     paths = {"student": out_dir / "student", "teacher": out_dir / "teacher"}
+    cpu = Place(vocab=place.vocab)
     if dist.get_rank() == 0:
-        models().save_pretrained(paths["student"])
-        models(96, seed=2).save_pretrained(paths["teacher"])
+        models(place=cpu).save_pretrained(paths["student"])
+        models(96, seed=2, place=cpu).save_pretrained(paths["teacher"])
     dist.barrier()
     return paths
 
 
-def load(path: Path, tensor_parallel: bool):
+def load(path: Path, tensor_parallel: bool, place: Place = CPU):
+    """A checkpoint in ``place``'s dtype, whole on its device or with ``tp_plan="auto"`` (which
+    puts it on this rank's device)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     kwargs = {"distributed_config": DistributedConfig(tp_plan="auto")} if tensor_parallel else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=place.dtype, **kwargs)
+    return (model if tensor_parallel else model.to(place.device)).train()
 
 
-def tensor_parallel(teacher_kind: str, paths: dict, counts: Counts) -> dict:
+def tensor_parallel(teacher_kind: str, paths: dict, counts: Counts, place: Place = CPU) -> dict:
     """Both trainers with a tensor-parallel student; the teacher ``tp`` (frozen, as TRL's own path
     needs: its backward through a DTensor teacher weight's all-gather fails) or ``plain``."""
     import liger_patch as lp
@@ -373,25 +402,25 @@ def tensor_parallel(teacher_kind: str, paths: dict, counts: Counts) -> dict:
         sharded = run != "reference"
         results = {}
         for trainer_name in ("distillation", "gkd"):
-            student = load(paths["student"], sharded)
-            teacher = load(paths["teacher"], sharded and teacher_kind == "tp").requires_grad_(False)
+            student = load(paths["student"], sharded, place)
+            teacher = load(paths["teacher"], sharded and teacher_kind == "tp", place).requires_grad_(False)
             if run == "patched":
-                lp.apply_liger_to(student, backend="torch")
+                lp.apply_liger_to(student, backend=place.backend)
             if trainer_name == "distillation":
-                batch = distillation_batch(40, 0.0)
+                batch = distillation_batch(40, 0.0, place)
                 batch["num_items_in_batch"] = batch["completion_mask"].sum().float()
                 results[trainer_name] = _distillation_step(
                     distillation_trainer(student, teacher, BETA, 1), student, batch, counts
                 )
             else:
                 results[trainer_name] = _gkd_step(
-                    gkd_trainer(student, teacher, BETA), student, gkd_batch(41), counts
+                    gkd_trainer(student, teacher, BETA), student, gkd_batch(41, place), counts
                 )
         out[run] = results
     return out
 
 
-def tp_rowwise_student(paths: dict, counts: Counts) -> dict:
+def tp_rowwise_student(paths: dict, counts: Counts, place: Place = CPU) -> dict:
     """A student ``lm_head`` sharded over the hidden dimension (torch's ``RowwiseParallel``):
     ``DistillationTrainer``'s own path, patched (which falls back, saying why) and unpatched."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -400,14 +429,16 @@ def tp_rowwise_student(paths: dict, counts: Counts) -> dict:
 
     import liger_patch as lp
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(torch.device(place.device).type, (dist.get_world_size(),))
     out = {}
     for patched in (False, True):
-        student, teacher = load(paths["student"], False), load(paths["teacher"], False).requires_grad_(False)
+        student = load(paths["student"], False, place)
+        teacher = load(paths["teacher"], False, place).requires_grad_(False)
         if patched:
-            lp.apply_liger_to(student, backend="torch")  # before the head is sharded, as a patch finds it
+            # before the head is sharded, as a patch finds it
+            lp.apply_liger_to(student, backend=place.backend)
         parallelize_module(student.lm_head, mesh, RowwiseParallel(input_layouts=Replicate()))
-        batch = distillation_batch(60, 0.0)
+        batch = distillation_batch(60, 0.0, place)
         batch["num_items_in_batch"] = batch["completion_mask"].sum().float()
         trainer = distillation_trainer(student, teacher, BETA, 1)
         with warnings.catch_warnings(record=True) as caught:
@@ -421,7 +452,9 @@ def tp_rowwise_student(paths: dict, counts: Counts) -> dict:
 # ------------------------------------------------------------------ DeepSpeed ZeRO-3
 
 
-def zero3_train(trainer_name: str, student, teacher, patched: bool, out_dir: Path, counts: Counts) -> dict:
+def zero3_train(
+    trainer_name: str, student, teacher, patched: bool, out_dir: Path, counts: Counts, place: Place = CPU
+) -> dict:
     import deepspeed
     import trl
     from tiny_trl import arithmetic_chats, arithmetic_prompts, tiny_tokenizer
@@ -430,13 +463,14 @@ def zero3_train(trainer_name: str, student, teacher, patched: bool, out_dir: Pat
     import liger_patch as lp
     from tests.distributed.deepspeed_workers import DS_CONFIG
 
+    bf16 = place.dtype == torch.bfloat16
     common = dict(
         output_dir=str(out_dir / f"{trainer_name}_{patched}"), per_device_train_batch_size=2, max_steps=2,
         logging_steps=1, optim="sgd", learning_rate=0.05, lr_scheduler_type="constant", save_strategy="no",
-        report_to=[], seed=0, data_seed=0, use_cpu=True, bf16=False, disable_tqdm=True, deepspeed=DS_CONFIG,
-        beta=BETA,
+        report_to=[], seed=0, data_seed=0, use_cpu=place.device == "cpu", bf16=bf16, disable_tqdm=True,
+        deepspeed=dict(DS_CONFIG, bf16={"enabled": bf16}), beta=BETA,
     )  # fmt: skip
-    callbacks = [lp.LigerPatchCallback(backend="torch")] if patched else []
+    callbacks = [lp.LigerPatchCallback(backend=place.backend)] if patched else []
     if trainer_name == "distillation":
         config = trl.DistillationConfig(**common, temperature=TEMPERATURE, max_completion_length=6)
         trainer = trl.DistillationTrainer(
@@ -467,7 +501,7 @@ def zero3_train(trainer_name: str, student, teacher, patched: bool, out_dir: Pat
     }
 
 
-def zero3_teacher_engine(student, teacher, counts: Counts) -> dict:
+def zero3_teacher_engine(student, teacher, counts: Counts, place: Place = CPU) -> dict:
     """``distill_on_heads`` with a whole student head and the head of a ZeRO-3 teacher engine (as
     TRL's ``prepare_deepspeed`` makes it), reduction "mean" and "none"; the teacher's head after."""
     import deepspeed
@@ -478,7 +512,7 @@ def zero3_teacher_engine(student, teacher, counts: Counts) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": False},
+        "bf16": {"enabled": place.dtype == torch.bfloat16},
     }
     engine, *_ = deepspeed.initialize(model=teacher, config=config)
     head = engine.module.get_output_embeddings()
@@ -486,15 +520,15 @@ def zero3_teacher_engine(student, teacher, counts: Counts) -> dict:
         teacher_weight = head.weight.detach().clone()
     g = torch.Generator().manual_seed(50)
     hs, ht, sw = (
-        torch.randn(2, 6, 64, generator=g),
-        torch.randn(2, 6, 96, generator=g),
+        torch.randn(2, 6, 64, generator=g).to(place.device, place.dtype),
+        torch.randn(2, 6, 96, generator=g).to(place.device, place.dtype),
         student.lm_head.weight,
     )
-    labels = torch.where(torch.rand(2, 6, generator=g) > 0.3, 0, -100)
+    labels = torch.where(torch.rand(2, 6, generator=g) > 0.3, 0, -100).to(place.device)
     out = {}
     for reduction in ("mean", "none"):
         options = dict(
-            beta=BETA, temperature=TEMPERATURE, reduction=reduction, backend="torch", memory_budget=None
+            beta=BETA, temperature=TEMPERATURE, reduction=reduction, backend=place.backend, memory_budget=None
         )
         leaves = [t.detach().clone().requires_grad_() for t in (hs, sw)]
         loss, _ = distill_on_heads(
@@ -512,15 +546,15 @@ def zero3_teacher_engine(student, teacher, counts: Counts) -> dict:
     return out
 
 
-def zero3(out_dir: Path, counts: Counts) -> dict:
+def zero3(out_dir: Path, counts: Counts, place: Place = CPU) -> dict:
     runs = [(name, patched) for name in ("distillation", "gkd") for patched in (False, True)]
-    built = {run: (models(), models(96, seed=2)) for run in runs}  # before any ZeRO-3 config exists
-    engine_models = models(), models(96, seed=2)
+    built = {run: (models(place=place), models(96, seed=2, place=place)) for run in runs}
+    engine_models = models(place=place), models(96, seed=2, place=place)  # before any ZeRO-3 config exists
     out = defaultdict(dict)
     for name, patched in runs:
-        result = zero3_train(name, *built[(name, patched)], patched, out_dir, counts)
+        result = zero3_train(name, *built[(name, patched)], patched, out_dir, counts, place)
         out[name]["patched" if patched else "unpatched"] = result
-    out["teacher_engine"] = zero3_teacher_engine(*engine_models, counts)
+    out["teacher_engine"] = zero3_teacher_engine(*engine_models, counts, place)
     return dict(out)
 
 

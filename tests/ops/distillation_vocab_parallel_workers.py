@@ -113,7 +113,7 @@ def _run(fn, case: dict, spec: dict, rows: slice | None) -> dict:
         teacher = [tw, teacher[1]]
     else:
         th = case["th"]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.get("autocast", False)):
+    with torch.autocast(sh.device.type, dtype=torch.bfloat16, enabled=spec.get("autocast", False)):
         loss = fn(sh, sw, sb, th, *teacher)
     leaves = {"hidden": sh, "weight": sw, "bias": sb}
     asked = [t for t in leaves.values() if t is not None and t.requires_grad]
@@ -122,15 +122,17 @@ def _run(fn, case: dict, spec: dict, rows: slice | None) -> dict:
     return {"loss": loss.detach(), "grads": {n: found.get(n) for n in leaves}}
 
 
-def run_case(name: str, spec: dict) -> dict:
-    """This rank's sharded and unsharded results for one case (or what each raised)."""
+def run_case(name: str, spec: dict, device: str = "cpu", backend: str = "torch") -> dict:
+    """This rank's sharded and unsharded results for one case, its tensors on ``device``, the
+    whole op on ``backend`` (benchmarks/distill_dist_gpu.py: CUDA and the default backend)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    case = build_case(name, spec)
-    opts = dict(spec["opts"], ignore_index=case["ignore_index"], backend="torch")
+    case = {k: v.to(device) if torch.is_tensor(v) else v for k, v in build_case(name, spec).items()}
+    opts = dict(spec["opts"], ignore_index=case["ignore_index"], backend=backend)
     offset, rows = shard_rows(case["sw"].shape[0], rank, world)
     part = slice(offset, offset + rows)
     shard = VocabShard(offset, case["sw"].shape[0], dist.group.WORLD)
-    kwargs = dict(opts, num_items_in_batch=spec.get("num_items"))
+    num_items = spec.get("num_items")
+    kwargs = dict(opts, num_items_in_batch=num_items.to(device) if torch.is_tensor(num_items) else num_items)
     labels = case["labels"]
     sharded = _run(
         lambda sh, sw, sb, th, tw, tb: vocab_parallel_distillation(
