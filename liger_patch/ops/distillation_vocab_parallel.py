@@ -55,7 +55,12 @@ from liger_patch.ops.fused_linear_ce import autocast_inputs
 from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.grad_weight_layout import accumulate_grad_weight
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
-from liger_patch.ops.vocab_parallel import VocabShard, _agree, _all_gather, _check_tensors
+from liger_patch.ops.vocab_parallel import (
+    VocabShard,
+    all_gather_stats,
+    check_ranks_agree,
+    check_shard_tensors,
+)
 
 __all__ = ["vocab_parallel_distillation"]
 
@@ -123,7 +128,7 @@ def _combined_stats(heads: _Heads, labels: Tensor, shard: VocabShard, opts: Dist
             _, a_s, _, a_t = heads.a(rows, opts)
             cols = _label_cols(labels, rows, shard, heads.ws.shape[0])
             stats.index_copy_(1, rows, torch.stack(shard_stats(a_s, a_t, cols, opts)))
-    g = _all_gather(stats, shard.group)
+    g = all_gather_stats(stats, shard.group)
     rows = {"lse_s": torch.logsumexp(g[:, 0], dim=0), "lse_t": torch.logsumexp(g[:, 1], dim=0)}
     if opts.ce_weight:  # logsumexp(T log p_s) = logsumexp(z_s) - T lse_s, and the cross-entropy
         lse_z = torch.logsumexp(g[:, 2], dim=0)
@@ -189,7 +194,7 @@ class _VocabParallelDistill(torch.autograd.Function):
         keep = labels != opts.ignore_index
         divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
         needs = list(ctx.needs_input_grad[:3])
-        _agree(labels, shard, opts.student, divisor if num_items is not None else None, needs)
+        check_ranks_agree(labels, shard, opts.student, divisor if num_items is not None else None, needs)
         kept = keep.nonzero().view(-1)
         with torch.autocast(sh.device.type, enabled=False):
             heads = _Heads.of((sh, sw, sb), (th, tw, tb), kept, opts)
@@ -227,7 +232,7 @@ def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) ->
     """One side's tensors checked as the vocabulary-parallel cross-entropy checks its own (the
     message says which side), then cast as autocast casts an ``nn.Linear``'s inputs."""
     try:
-        _check_tensors(hidden, weight, labels, bias, None, shard)
+        check_shard_tensors(hidden, weight, labels, bias, None, shard)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{side}: {exc}") from None
     return autocast_inputs(hidden, weight, bias)
