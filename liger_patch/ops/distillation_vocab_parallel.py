@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops import budget, validation
+from liger_patch.ops.distillation import flat_operands
 from liger_patch.ops.distillation_chunks import TORCH_MATH, Side, distill_chunk_rows
 from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
 from liger_patch.ops.distillation_rows import (
@@ -272,19 +273,6 @@ def vocab_parallel_distillation(
         )
     if sh.device != th.device:
         raise ValueError(f"the student's tensors are on {sh.device} but the teacher's on {th.device}")
-    n = labels.numel()
-    as_tensor = isinstance(num_items_in_batch, Tensor)
-    loss = _VocabParallelDistill.apply(
-        sh.reshape(n, sh.shape[-1]),
-        sw,
-        sb,
-        th.reshape(n, th.shape[-1]),
-        tw,
-        tb,
-        labels.reshape(-1),
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
-        shard,
-        opts,
-    )
+    operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
+    loss = _VocabParallelDistill.apply(*operands, shard, opts)
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss
