@@ -41,28 +41,11 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.distillation_options import DistillOptions
-from liger_patch.ops.triton.common import jitted, softcap
+from liger_patch.ops.triton.common import fold_partials, jitted, softcap
 from liger_patch.ops.tuning import Tuning
 
 Partials = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """((pmax, psum) of the student, (pmax, psum) of the teacher): ``logits_with_partials``' first two."""
-
-
-def fold_partials(pmax_ptr, psum_ptr, row, n_parts, BLOCK_P: tl.constexpr):
-    """(max, log-sum-exp) of one row from its per-tile (max, sum exp(a - max)) partials. The
-    kernel takes it as the constexpr ``FOLD_FN=jitted(fold_partials)``."""
-    run_max = tl.zeros([], dtype=tl.float32) - float("inf")
-    run_sum = tl.zeros([], dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK_P)
-    for start in range(0, n_parts, BLOCK_P):
-        idx = start + offsets
-        mask = idx < n_parts
-        p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
-        p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
-        new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
-        run_max = new_max
-    return run_max, run_max + tl.log(run_sum)
 
 
 def final_block(row_ptr, cols, mask, scale, cap, CAPPED: tl.constexpr, SOFTCAP_FN: tl.constexpr):

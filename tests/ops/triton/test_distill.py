@@ -122,10 +122,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.triton.common import softcap
-from liger_patch.ops.triton.distill import (
-    _distill_rows_kernel, final_block, fold_partials, launch_config, mixture_terms,
-)
+from liger_patch.ops.triton.common import fold_partials, softcap
+from liger_patch.ops.triton.distill import _distill_rows_kernel, final_block, launch_config, mixture_terms
 from liger_patch.ops.tuning import Tuning
 
 pointers = ["s_ptr", "t_ptr", "grad_ptr", "labels_ptr", "coef_ptr", "loss_ptr",
