@@ -29,6 +29,8 @@ from liger_patch.ops.distillation_options import (
 from liger_patch.ops.fused_linear_ce import autocast_inputs
 
 NumItems = int | float | Tensor | None
+HeadTensors = tuple[Tensor, Tensor, Tensor | None]
+"""One side's (hidden, weight, bias)."""
 
 
 def _checked_side(
@@ -59,9 +61,31 @@ def _check_pair(
         )
 
 
+def flat_operands(
+    student: HeadTensors, teacher: HeadTensors, labels: Tensor, num_items_in_batch: NumItems
+) -> tuple:
+    """The leading operands of a distillation operator, from checked tensors: each side's hidden
+    states as (N, H) (not (-1, H): N may be 0), weight and bias, the labels as (N,), and
+    ``num_items_in_batch`` as the operators take it, a tensor or a float (the other ``None``)."""
+    (sh, sw, sb), (th, tw, tb) = student, teacher
+    n = labels.numel()
+    as_tensor = isinstance(num_items_in_batch, Tensor)
+    return (
+        sh.reshape(n, sh.shape[-1]),
+        sw,
+        sb,
+        th.reshape(n, th.shape[-1]),
+        tw,
+        tb,
+        labels.reshape(-1),
+        num_items_in_batch if as_tensor else None,
+        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
+    )
+
+
 def _distill(
-    student: tuple[Tensor, Tensor, Tensor | None],
-    teacher: tuple[Tensor, Tensor, Tensor | None],
+    student: HeadTensors,
+    teacher: HeadTensors,
     labels: Tensor,
     opts: DistillOptions,
     num_items_in_batch: NumItems,
@@ -71,23 +95,10 @@ def _distill(
     sh, sw, sb = _checked_side("student", student[0], student[1], labels, student[2])
     th, tw, tb = _checked_side("teacher", teacher[0], teacher[1], labels, teacher[2])
     _check_pair(sw, tw, sh, th)
-    n = labels.numel()
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (sh, sw, sb)]
-    as_tensor = isinstance(num_items_in_batch, Tensor)
-    loss, *_ = torch.ops.liger_patch.fused_distill(
-        sh.reshape(n, sh.shape[-1]),  # not (-1, H): n may be 0
-        sw,
-        sb,
-        th.reshape(n, th.shape[-1]),
-        tw,
-        tb,
-        labels.reshape(-1),
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
-        opts.key,
-        needs,
-    )
+    operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
+    loss, *_ = torch.ops.liger_patch.fused_distill(*operands, opts.key, needs)
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss
 
 

@@ -8,7 +8,8 @@ GEMM. What a chunk holds depends on the backend (``ChunkMath``): the PyTorch one
 chunks into fp32 log-probabilities (``distillation_rows``; ``ROW_BUFFERS`` fp32 rows of V at its
 peak), the Triton one keeps them in the input dtype and runs one row kernel over both
 (``distillation_triton``). Rows per chunk follow from the working memory budget
-(``budget.working_bytes``) and the backend's bytes per row.
+(``budget.working_bytes``) and the backend's bytes per row. The loop itself (``walk_chunks``) also
+runs each pass of the vocabulary-parallel op (``distillation_vocab_parallel``), with its steps.
 
 The GEMMs run in the hidden states' dtype on CUDA and in fp32 on the CPU (``gemm.gemm_dtype_for``,
 as the cross-entropy op's); on the CPU a half-precision weight is read through an fp32 copy.
@@ -30,8 +31,12 @@ from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.distillation_rows import ROW_BUFFERS, distill_rows, side_log_probs
 from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits, mm_into
 from liger_patch.ops.grad_weight_layout import accumulate_grad_weight
+from liger_patch.ops.options import LossOptions
 
 _F32 = torch.float32
+
+FinalLogits = Callable[[Tensor, LossOptions, bool], tuple[Tensor, Tensor | None]]
+"""``side_log_probs`` or ``side_logits``: a side's raw logits chunk to its fp32 values (and slope)."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +93,13 @@ class Rows:
 
 @dataclass(frozen=True)
 class ChunkMath:
-    """What a backend does per chunk.
+    """What a backend (or a pass of the vocabulary-parallel op) does per chunk.
 
-    ``step(rows, student, teacher, labels, coef, opts) -> (loss, g, hs)``: the chunk's losses
-    (rows,) fp32; with ``coef`` ``coef_i * d loss_i / d x`` (rows, V) for the student's raw
-    logits x (else ``None``); and the student's hidden rows as the GEMMs read them. ``labels``
-    and ``coef`` (or ``None``) are whole-length: the step takes its rows of them when it needs them.
+    ``step(rows, student, teacher, labels, coef, opts) -> (values, g, hs)``: the chunk's per-row
+    values (a backend's: its losses (rows,) fp32), or ``None``; with ``coef``
+    ``coef_i * d loss_i / d x`` (rows, V) for the student's raw logits x (else ``None``); and the
+    student's hidden rows as the GEMMs read them. ``labels`` and ``coef`` (or ``None``) are
+    whole-length: the step takes its rows of them when it needs them.
     ``row_bytes(vocab, student, teacher, opts, want_grad, gathers)``: the working bytes a chunk
     takes per row at its peak (``gathers``: its rows are gathered kept rows, not a slice)."""
 
@@ -109,17 +115,26 @@ def torch_row_bytes(
     return _F32.itemsize * (ROW_BUFFERS * vocab + 2 * student.hidden.shape[1] + teacher.hidden.shape[1])
 
 
+def side_chunk(
+    rows: Rows, side: Side, side_opts: LossOptions, final: FinalLogits, want_slope: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One side's hidden rows of the chunk as the GEMMs read them, and ``final`` of their fp32
+    logits, passed on without a reference kept (``side_log_probs``, or a shard's
+    ``side_logits``): the side's (rows, V) fp32 values and, with ``want_slope``, its softcap's
+    slope."""
+    h = rows.take(side.hidden).to(side.w.dtype)
+    values, slope = final(gemm_logits(h, side.w, side.b, _F32), side_opts, want_slope)
+    return h, values, slope
+
+
 def _torch_step(
     rows: Rows, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The PyTorch chunk: fp32 logits, straight into ``side_log_probs`` (which frees them as it
     goes), then ``distill_rows``."""
-    hs = rows.take(student.hidden).to(student.w.dtype)
     want = coef is not None
-    ls, slope = side_log_probs(gemm_logits(hs, student.w, student.b, _F32), opts.student, want_slope=want)
-    ht = rows.take(teacher.hidden).to(teacher.w.dtype)
-    lt, _ = side_log_probs(gemm_logits(ht, teacher.w, teacher.b, _F32), opts.teacher)
-    del ht
+    hs, ls, slope = side_chunk(rows, student, opts.student, side_log_probs, want_slope=want)
+    lt = side_chunk(rows, teacher, opts.teacher, side_log_probs)[1]  # the teacher's rows freed
     loss, g = distill_rows(ls, lt, slope, rows.take(labels), opts, rows.take(coef) if want else None)
     return loss, g, hs
 
@@ -136,18 +151,33 @@ def chunk_math(backend: Backend) -> ChunkMath:
     return triton_math(backend)
 
 
-class _StudentGrads:
-    """The student's gradient buffers and what each chunk adds to them."""
+class StudentGrads:
+    """The student's gradient buffers and what each chunk adds to them: grad_h in the hidden
+    states' dtype, grad_W summed in fp32 when the GEMMs run in fp32 (else in the weight's dtype,
+    the first chunk overwriting it), grad_b in fp32. With ``in_fp32`` every one is summed in fp32
+    from zeros: a vocabulary shard's, whose grad_h is summed over the group before it is rounded.
+    ``kept``: the rows the chunks walk (``None``: every row); rows skipped get zeros."""
 
-    def __init__(self, student: Head, ws: Tensor, needs: tuple[bool, bool, bool], total: int, skips: bool):
+    def __init__(
+        self,
+        student: Head,
+        ws: Tensor,
+        needs: tuple[bool, bool, bool],
+        kept: Tensor | None,
+        *,
+        in_fp32: bool = False,
+    ) -> None:
         device = student.hidden.device
+        total = student.hidden.shape[0] if kept is None else kept.shape[0]
+        self.overwrites_first = not in_fp32
         self.grad_hidden = self.grad_sum = self.grad_bias = None
         if needs[0]:  # skipped rows read as ignored ones: zeros
-            new = torch.zeros if skips else torch.empty
-            self.grad_hidden = new(student.hidden.shape, dtype=student.hidden.dtype, device=device)
+            new = torch.empty if kept is None else torch.zeros
+            dtype = _F32 if in_fp32 else student.hidden.dtype
+            self.grad_hidden = new(student.hidden.shape, dtype=dtype, device=device)
         if needs[1]:  # no chunk to overwrite it: zeros
-            sum_dtype = _F32 if ws.dtype == _F32 else student.weight.dtype
-            new = torch.empty if total else torch.zeros
+            sum_dtype = _F32 if in_fp32 or ws.dtype == _F32 else student.weight.dtype
+            new = torch.empty if total and self.overwrites_first else torch.zeros
             self.grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
         if needs[2] and student.bias is not None:
             self.grad_bias = torch.zeros(student.weight.shape[0], dtype=_F32, device=device)
@@ -161,16 +191,16 @@ class _StudentGrads:
             else:
                 rows.put(self.grad_hidden, g_gemm @ ws)
         if self.grad_sum is not None:
-            accumulate_grad_weight(self.grad_sum, g_gemm, hs, first=rows.start == 0)
+            first = self.overwrites_first and rows.start == 0
+            accumulate_grad_weight(self.grad_sum, g_gemm, hs, first=first)
         if self.grad_bias is not None:
             self.grad_bias += g.sum(dim=0, dtype=_F32)
 
-    def finish(self, res: DistillResult, student: Head) -> None:
-        res.grad_hidden = self.grad_hidden
-        if self.grad_sum is not None:
-            res.grad_weight = self.grad_sum.to(student.weight.dtype)
-        if self.grad_bias is not None:
-            res.grad_bias = self.grad_bias.to(student.bias.dtype)
+    def finish(self, student: Head) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """grad_h, grad_W and grad_b (``None`` where not asked for) in their inputs' dtypes."""
+        sums = (self.grad_hidden, self.grad_sum, self.grad_bias)
+        inputs = (student.hidden, student.weight, student.bias)
+        return tuple(None if g is None else g.to(t.dtype) for g, t in zip(sums, inputs, strict=True))
 
 
 def distill_chunk_rows(
@@ -191,6 +221,38 @@ def distill_chunk_rows(
 
 
 @torch.no_grad()
+def walk_chunks(
+    math: ChunkMath,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    opts: DistillOptions,
+    *,
+    kept: Tensor | None,
+    coef: Tensor | None,
+    budget_bytes: int,
+    values: Tensor | None = None,
+    grads: StudentGrads | None = None,
+) -> None:
+    """The one chunk loop: ``math.step`` over the rows (every row, or the kept ones ``kept``
+    lists) in chunks within ``budget_bytes``, each chunk's per-row values put in its rows of
+    ``values`` and its gradient added to ``grads``."""
+    total = labels.shape[0] if kept is None else kept.shape[0]
+    want_grad, gathers = grads is not None, kept is not None
+    step = distill_chunk_rows(
+        math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=budget_bytes
+    )
+    for start in range(0, total, step):
+        rows = Rows(start, min(start + step, total), kept)
+        row_values, g, hs = math.step(rows, student, teacher, labels, coef, opts)
+        if values is not None:
+            rows.put(values, row_values)
+        if g is not None:
+            grads.add(rows, g, hs, student.w)
+        del row_values, g, hs  # before the next chunk's buffers are made
+
+
+@torch.no_grad()
 def run_distill(
     student: Head,
     teacher: Head,
@@ -208,22 +270,22 @@ def run_distill(
 
     ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
     ``math``: the backend's chunk work (``chunk_math``)."""
-    n_rows = labels.shape[0]
     s, t = Side.of(student), Side.of(teacher)
     want = coef is not None and any(needs)
-    res = DistillResult(loss=torch.zeros(n_rows, dtype=_F32, device=labels.device))
-    total = n_rows if kept is None else kept.shape[0]
-    grads = _StudentGrads(student, s.w, needs, total, kept is not None) if want else None
-    step = distill_chunk_rows(
-        math, total, s, t, opts, want_grad=want, gathers=kept is not None, budget=budget_bytes
+    res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))
+    grads = StudentGrads(student, s.w, needs, kept) if want else None
+    walk_chunks(
+        math,
+        s,
+        t,
+        labels,
+        opts,
+        kept=kept,
+        coef=coef if want else None,
+        budget_bytes=budget_bytes,
+        values=res.loss,
+        grads=grads,
     )
-    for start in range(0, total, step):
-        rows = Rows(start, min(start + step, total), kept)
-        loss, g, hs = math.step(rows, s, t, labels, coef if want else None, opts)
-        rows.put(res.loss, loss)
-        if g is not None:
-            grads.add(rows, g, hs, s.w)
-        del loss, g, hs  # before the next chunk's buffers are made
     if grads is not None:
-        grads.finish(res, student)
+        res.grad_hidden, res.grad_weight, res.grad_bias = grads.finish(student)
     return res

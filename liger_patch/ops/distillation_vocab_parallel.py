@@ -6,7 +6,8 @@ weight and of the teacher's (V, H_t) (the same rows: ``VocabShard``, as a ``Colw
 head splits them), and the *same* hidden states and labels as the other ranks of its group. The
 loss and the student's gradients are exactly ``fused_linear_distillation``'s on the whole heads
 (docs/distillation.md has the math); the row math is ``distillation_rows``' own, its shard
-functions taking what a row needs from every shard:
+functions taking what a row needs from every shard, and each pass is the fused op's own chunk
+loop (``distillation_chunks.walk_chunks``) with this op's step, the collectives between passes:
 
 * forward, pass 1 (two logits GEMMs per kept token, in chunks): per row over the shard's columns,
   the log-sum-exp of the student's and the teacher's logits at the temperature (and with
@@ -33,6 +34,8 @@ when they are inference tensors). The PyTorch row math runs whatever the backend
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +45,17 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops import budget, validation
-from liger_patch.ops.distillation_chunks import TORCH_MATH, Side, distill_chunk_rows
+from liger_patch.ops.distillation import flat_operands
+from liger_patch.ops.distillation_chunks import (
+    ChunkMath,
+    Head,
+    Rows,
+    Side,
+    StudentGrads,
+    side_chunk,
+    torch_row_bytes,
+    walk_chunks,
+)
 from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
 from liger_patch.ops.distillation_rows import (
     divergence_of_sums,
@@ -52,78 +65,94 @@ from liger_patch.ops.distillation_rows import (
     side_logits,
 )
 from liger_patch.ops.fused_linear_ce import autocast_inputs
-from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits
-from liger_patch.ops.grad_weight_layout import accumulate_grad_weight
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
-from liger_patch.ops.vocab_parallel import VocabShard, _agree, _all_gather, _check_tensors
+from liger_patch.ops.vocab_parallel import (
+    VocabShard,
+    all_gather_stats,
+    check_ranks_agree,
+    check_shard_tensors,
+)
 
 __all__ = ["vocab_parallel_distillation"]
 
 _F32 = torch.float32
 
 
-def _f32(bias: Tensor | None) -> Tensor | None:
-    return None if bias is None else bias.float()
-
-
 @dataclass(frozen=True)
-class _Heads:
-    """Both sides' shard operands as the GEMMs read them, the kept rows and the chunk size."""
+class _ShardChunks:
+    """Both sides' shards as the chunk GEMMs read them, and what every pass over their kept rows'
+    chunks shares (``distillation_chunks.walk_chunks``, the fused op's own loop)."""
 
-    hs: Tensor
-    ws: Tensor
-    bs: Tensor | None
-    ht: Tensor
-    wt: Tensor
-    bt: Tensor | None
+    student: Side
+    teacher: Side
+    labels: Tensor
     kept: Tensor
-    step: int
+    shard: VocabShard
+    opts: DistillOptions
+    budget_bytes: int
 
     @staticmethod
-    def of(student: tuple, teacher: tuple, kept: Tensor, opts: DistillOptions) -> _Heads:
-        (hs, ws, bs), (ht, wt, bt) = student, teacher
-        ws, wt = ws.to(gemm_dtype_for(hs)), wt.to(gemm_dtype_for(ht))
-        working = budget.working_bytes(opts.memory_budget, hs.shape[0], hs.nbytes)
-        # The PyTorch row math's bytes per row: this op runs that math whatever the backend.
-        sides = Side(hs, ws, None), Side(ht, wt, None)
-        step = distill_chunk_rows(
-            TORCH_MATH, kept.shape[0], *sides, opts, want_grad=True, gathers=True, budget=working
-        )
-        return _Heads(hs, ws, _f32(bs), ht, wt, _f32(bt), kept, step)
+    def of(
+        student: tuple, teacher: tuple, labels: Tensor, kept: Tensor, shard: VocabShard, opts: DistillOptions
+    ) -> _ShardChunks:
+        s, t = Side.of(Head(*student)), Side.of(Head(*teacher))
+        working = budget.working_bytes(opts.memory_budget, s.hidden.shape[0], s.hidden.nbytes)
+        return _ShardChunks(s, t, labels, kept, shard, opts, working)
 
-    def chunks(self):
-        """The kept rows' numbers, a chunk at a time."""
-        for start in range(0, self.kept.shape[0], self.step):
-            yield self.kept[start : start + self.step]
+    @property
+    def vocab_r(self) -> int:
+        return self.student.w.shape[0]
 
-    def a(self, rows: Tensor, opts: DistillOptions, want_slope: bool = False):
-        """Both sides' final logits at the temperature at the shard's columns, and the student's slope."""
-        hs = self.hs.index_select(0, rows).to(self.ws.dtype)
-        a_s, slope = side_logits(gemm_logits(hs, self.ws, self.bs, _F32), opts.student, want_slope)
-        ht = self.ht.index_select(0, rows).to(self.wt.dtype)
-        a_t, _ = side_logits(gemm_logits(ht, self.wt, self.bt, _F32), opts.teacher)
-        return hs, a_s, slope, a_t
+    def walk(
+        self,
+        step: Callable[..., tuple],
+        values: Tensor | None = None,
+        coef: Tensor | None = None,
+        grads: StudentGrads | None = None,
+    ) -> None:
+        """One pass of ``step`` over the chunks; none for a shard without columns. The chunks are
+        as large as the PyTorch row math's bytes allow: this op runs that math whatever the backend."""
+        if self.vocab_r:
+            walk_chunks(
+                ChunkMath(step=step, row_bytes=torch_row_bytes),
+                self.student,
+                self.teacher,
+                self.labels,
+                self.opts,
+                kept=self.kept,
+                coef=coef,
+                budget_bytes=self.budget_bytes,
+                values=values,
+                grads=grads,
+            )
 
 
-def _label_cols(labels: Tensor, rows: Tensor, shard: VocabShard, vocab_r: int) -> Tensor:
-    """The rows' labels as columns of the shard, -1 where the label is in another shard."""
-    col = labels.index_select(0, rows) - shard.offset
+def _label_cols(labels: Tensor, shard: VocabShard, vocab_r: int) -> Tensor:
+    """Labels as columns of the shard, -1 where the label is in another shard."""
+    col = labels - shard.offset
     return torch.where((col >= 0) & (col < vocab_r), col, -1)
 
 
+def _stats_step(
+    shard: VocabShard, rows: Rows, student: Side, teacher: Side, labels: Tensor, _coef, opts: DistillOptions
+) -> tuple[Tensor, None, None]:
+    """Pass 1's chunk: per row over the shard's columns, ``shard_stats`` (rows, k)."""
+    a_s = side_chunk(rows, student, opts.student, side_logits)[1]
+    a_t = side_chunk(rows, teacher, opts.teacher, side_logits)[1]
+    cols = _label_cols(rows.take(labels), shard, student.w.shape[0])
+    return torch.stack(shard_stats(a_s, a_t, cols, opts), dim=1), None, None
+
+
 @torch.no_grad()
-def _combined_stats(heads: _Heads, labels: Tensor, shard: VocabShard, opts: DistillOptions) -> dict:
+def _combined_stats(chunks: _ShardChunks) -> dict:
     """Pass 1: the rows' log-sum-exps (and the student's logit at the label), every shard's combined."""
+    opts, labels, shard = chunks.opts, chunks.labels, chunks.shard
     k, n = (4 if opts.ce_weight else 2), labels.shape[0]
-    stats = torch.zeros(k, n, dtype=_F32, device=labels.device)
-    if heads.ws.shape[0] == 0:  # no columns: exp(lse_r) = 0, no label here
-        stats[: k - 1 if opts.ce_weight else k] = -torch.inf
-    else:
-        for rows in heads.chunks():
-            _, a_s, _, a_t = heads.a(rows, opts)
-            cols = _label_cols(labels, rows, shard, heads.ws.shape[0])
-            stats.index_copy_(1, rows, torch.stack(shard_stats(a_s, a_t, cols, opts)))
-    g = _all_gather(stats, shard.group)
+    stats = torch.zeros(n, k, dtype=_F32, device=labels.device)
+    if chunks.vocab_r == 0:  # no columns: exp(lse_r) = 0, no label here
+        stats[:, : k - 1 if opts.ce_weight else k] = -torch.inf
+    chunks.walk(functools.partial(_stats_step, shard), values=stats)
+    g = all_gather_stats(stats.T, shard.group)
     rows = {"lse_s": torch.logsumexp(g[:, 0], dim=0), "lse_t": torch.logsumexp(g[:, 1], dim=0)}
     if opts.ce_weight:  # logsumexp(T log p_s) = logsumexp(z_s) - T lse_s, and the cross-entropy
         lse_z = torch.logsumexp(g[:, 2], dim=0)
@@ -132,52 +161,65 @@ def _combined_stats(heads: _Heads, labels: Tensor, shard: VocabShard, opts: Dist
     return rows
 
 
-def _log_probs(heads: _Heads, rows: Tensor, stats: dict, opts: DistillOptions, want_slope: bool = False):
-    """The shard's columns of both sides' log-probs (normalised by the whole rows)."""
-    hs, a_s, slope, a_t = heads.a(rows, opts, want_slope)
-    ls = a_s.sub_(stats["lse_s"].index_select(0, rows).unsqueeze(-1))
-    return hs, ls, slope, a_t.sub_(stats["lse_t"].index_select(0, rows).unsqueeze(-1))
+def _log_probs(
+    rows: Rows, student: Side, teacher: Side, stats: dict, opts: DistillOptions, want_slope: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The shard's columns of both sides' log-probs (normalised by the whole rows), the student's
+    hidden rows and its softcap's slope."""
+    hs, a_s, slope = side_chunk(rows, student, opts.student, side_logits, want_slope)
+    a_t = side_chunk(rows, teacher, opts.teacher, side_logits)[1]
+    ls = a_s.sub_(rows.take(stats["lse_s"]).unsqueeze(-1))
+    return hs, ls, slope, a_t.sub_(rows.take(stats["lse_t"]).unsqueeze(-1))
+
+
+def _sums_step(
+    stats: dict, rows: Rows, student: Side, teacher: Side, _labels, _coef, opts: DistillOptions
+) -> tuple[Tensor, None, None]:
+    """Pass 2's chunk: the shard's part of the rows' divergence sums (rows, k)."""
+    _, ls, _, lt = _log_probs(rows, student, teacher, stats, opts)
+    return shard_divergence_sums(ls, lt, opts.beta).T, None, None
 
 
 @torch.no_grad()
-def _divergence_sums(heads: _Heads, stats: dict, shard: VocabShard, opts: DistillOptions, n: int) -> Tensor:
+def _divergence_sums(chunks: _ShardChunks, stats: dict) -> Tensor:
     """Pass 2: the rows' divergence sums (``shard_divergence_sums``), summed over every shard."""
-    k = 1 if opts.beta in (0.0, 1.0) else 2
-    sums = torch.zeros(k, n, dtype=_F32, device=heads.hs.device)
-    if heads.ws.shape[0]:
-        for rows in heads.chunks():
-            _, ls, _, lt = _log_probs(heads, rows, stats, opts)
-            sums.index_copy_(1, rows, shard_divergence_sums(ls, lt, opts.beta))
-    dist.all_reduce(sums, group=shard.group)
+    k = 1 if chunks.opts.beta in (0.0, 1.0) else 2
+    sums = torch.zeros(chunks.labels.shape[0], k, dtype=_F32, device=chunks.labels.device)
+    chunks.walk(functools.partial(_sums_step, stats), values=sums)
+    sums = sums.T.contiguous()
+    dist.all_reduce(sums, group=chunks.shard.group)
     return sums
 
 
+def _grad_step(
+    shard: VocabShard,
+    stats: dict,
+    row_sum: Tensor,
+    rows: Rows,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    coef: Tensor,
+    opts: DistillOptions,
+) -> tuple[None, Tensor, Tensor]:
+    """The backward's chunk: the gradient at the shard's columns from the rows' sums."""
+    hs, ls, slope, lt = _log_probs(rows, student, teacher, stats, opts, want_slope=True)
+    cols = _label_cols(rows.take(labels), shard, student.w.shape[0])
+    lse_q = rows.take(stats["lse_q"]) if opts.ce_weight else None
+    g = shard_distill_grad(ls, lt, slope, cols, rows.take(row_sum), lse_q, opts, rows.take(coef))
+    return None, g, hs
+
+
 @torch.no_grad()
-def _shard_grads(heads, labels, stats, row_sum, coef, shard, opts, needs, dtypes) -> list[Tensor | None]:
+def _shard_grads(
+    chunks: _ShardChunks, student: Head, stats: dict, row_sum: Tensor, coef: Tensor, needs: tuple
+) -> tuple:
     """The backward: this rank's part of grad_h and its shard's grad_W and grad_b (see the module doc)."""
-    hs, ws, vocab_r = heads.hs, heads.ws, heads.ws.shape[0]
-    grad_h = torch.zeros(hs.shape, dtype=_F32, device=hs.device) if needs[0] else None
-    grad_w = torch.zeros(ws.shape, dtype=_F32, device=hs.device) if needs[1] else None
-    grad_b = torch.zeros(vocab_r, dtype=_F32, device=hs.device) if needs[2] else None
-    for rows in heads.chunks() if vocab_r else ():
-        h, ls, slope, lt = _log_probs(heads, rows, stats, opts, want_slope=True)
-        cols = _label_cols(labels, rows, shard, vocab_r)
-        lse_q = stats["lse_q"].index_select(0, rows) if opts.ce_weight else None
-        g = shard_distill_grad(
-            ls, lt, slope, cols, row_sum.index_select(0, rows), lse_q, opts, coef.index_select(0, rows)
-        )
-        del ls, lt, slope
-        g_gemm = g.to(ws.dtype)
-        if grad_h is not None:
-            grad_h.index_copy_(0, rows, (g_gemm @ ws).float())
-        if grad_w is not None:
-            accumulate_grad_weight(grad_w, g_gemm, h, first=False)
-        if grad_b is not None:
-            grad_b += g.sum(dim=0)
-    if grad_h is not None:
-        dist.all_reduce(grad_h, group=shard.group)  # every shard's part of d loss / d hidden
-    grads = (grad_h, grad_w, grad_b)
-    return [None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True)]
+    grads = StudentGrads(student, chunks.student.w, needs, chunks.kept, in_fp32=True)
+    chunks.walk(functools.partial(_grad_step, chunks.shard, stats, row_sum), coef=coef, grads=grads)
+    if grads.grad_hidden is not None:  # every shard's part of d loss / d hidden
+        dist.all_reduce(grads.grad_hidden, group=chunks.shard.group)
+    return grads.finish(student)
 
 
 class _VocabParallelDistill(torch.autograd.Function):
@@ -189,12 +231,12 @@ class _VocabParallelDistill(torch.autograd.Function):
         keep = labels != opts.ignore_index
         divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
         needs = list(ctx.needs_input_grad[:3])
-        _agree(labels, shard, opts.student, divisor if num_items is not None else None, needs)
+        check_ranks_agree(labels, shard, opts.student, divisor if num_items is not None else None, needs)
         kept = keep.nonzero().view(-1)
         with torch.autocast(sh.device.type, enabled=False):
-            heads = _Heads.of((sh, sw, sb), (th, tw, tb), kept, opts)
-            stats = _combined_stats(heads, labels, shard, opts)
-            sums = _divergence_sums(heads, stats, shard, opts, labels.shape[0])
+            chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts)
+            stats = _combined_stats(chunks)
+            sums = _divergence_sums(chunks, stats)
         d = divergence_of_sums(sums, opts.beta)
         rows = d if not opts.ce_weight else (1.0 - opts.ce_weight) * d + opts.ce_weight * stats["ce"]
         rows = torch.where(keep, rows, 0.0)
@@ -217,9 +259,8 @@ class _VocabParallelDistill(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
         with torch.autocast(sh.device.type, enabled=False):
-            heads = _Heads.of((sh, sw, sb), teacher, ctx.kept, ctx.opts)
-            dtypes = (sh.dtype, sw.dtype, None if sb is None else sb.dtype)
-            grads = _shard_grads(heads, labels, ctx.stats, row_sum, coef, ctx.shard, ctx.opts, needs, dtypes)
+            chunks = _ShardChunks.of((sh, sw, sb), teacher, labels, ctx.kept, ctx.shard, ctx.opts)
+            grads = _shard_grads(chunks, Head(sh, sw, sb), ctx.stats, row_sum, coef, needs)
         return (*grads, *(None,) * 8)
 
 
@@ -227,7 +268,7 @@ def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) ->
     """One side's tensors checked as the vocabulary-parallel cross-entropy checks its own (the
     message says which side), then cast as autocast casts an ``nn.Linear``'s inputs."""
     try:
-        _check_tensors(hidden, weight, labels, bias, None, shard)
+        check_shard_tensors(hidden, weight, labels, bias, None, shard)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{side}: {exc}") from None
     return autocast_inputs(hidden, weight, bias)
@@ -267,19 +308,6 @@ def vocab_parallel_distillation(
         )
     if sh.device != th.device:
         raise ValueError(f"the student's tensors are on {sh.device} but the teacher's on {th.device}")
-    n = labels.numel()
-    as_tensor = isinstance(num_items_in_batch, Tensor)
-    loss = _VocabParallelDistill.apply(
-        sh.reshape(n, sh.shape[-1]),
-        sw,
-        sb,
-        th.reshape(n, th.shape[-1]),
-        tw,
-        tb,
-        labels.reshape(-1),
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
-        shard,
-        opts,
-    )
+    operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
+    loss = _VocabParallelDistill.apply(*operands, shard, opts)
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss

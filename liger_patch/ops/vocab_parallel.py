@@ -56,7 +56,14 @@ from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights, z_
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad
 from liger_patch.ops.torch_ce import RowStats, row_loss
 
-__all__ = ["VocabShard", "shard_backend", "vocab_parallel_loss"]
+__all__ = [
+    "VocabShard",
+    "all_gather_stats",
+    "check_ranks_agree",
+    "check_shard_tensors",
+    "shard_backend",
+    "vocab_parallel_loss",
+]
 
 _F32 = torch.float32
 
@@ -121,7 +128,7 @@ def _flags(labels: Tensor, vocab: int, opts: LossOptions, user_divisor: Tensor |
     return torch.cat([torch.stack([bad_label, bad_divisor]).long(), same, -same])
 
 
-def _agree(
+def check_ranks_agree(
     labels: Tensor, shard: VocabShard, opts: LossOptions, user_divisor: Tensor | None, needs: list[bool]
 ) -> None:
     """Raise on every rank of the group, never on some only (the others would wait in the next
@@ -153,7 +160,7 @@ def _agree(
         )
 
 
-def _all_gather(stats: Tensor, group: Any) -> Tensor:
+def all_gather_stats(stats: Tensor, group: Any) -> Tensor:
     """Every rank's ``(k, N)`` statistics, as ``(ranks, k, N)`` (ranks in the group's order)."""
     world = dist.get_world_size(group)
     out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
@@ -208,14 +215,14 @@ class _VocabParallelLoss(torch.autograd.Function):
         cw = class_weight_record(class_weight)
         divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
         needs = list(ctx.needs_input_grad[:3])
-        _agree(labels, shard, opts, divisor if num_items is not None else None, needs)
+        check_ranks_agree(labels, shard, opts, divisor if num_items is not None else None, needs)
         names = shard_stats.stat_names(opts)
         with torch.autocast(hidden.device.type, enabled=False):
             stats = shard_stats.shard_stats(
                 pick(opts.backend, hidden.device), hidden, weight, bias, labels, opts, shard.offset, cw
             )
         rows = _rows(
-            shard_stats.combine(_all_gather(stats, shard.group), names), labels, opts, cw, shard.vocab
+            shard_stats.combine(all_gather_stats(stats, shard.group), names), labels, opts, cw, shard.vocab
         )
         loss = reduce_rows(rows.ce + rows.z, opts.reduction, divisor)
         z_loss = reduce_rows(rows.z, opts.reduction, divisor)
@@ -295,7 +302,14 @@ def _shard_grads(
     return [res.grad_hidden, res.grad_weight, res.grad_bias]
 
 
-def _check_tensors(hidden, weight, labels, bias, class_weight, shard: VocabShard) -> None:
+def check_shard_tensors(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    class_weight: Tensor | None,
+    shard: VocabShard,
+) -> None:
     """``validation``'s checks, for a shard: it may have no rows (V not much larger than the group),
     and class weights are one per class of all V."""
     rows = weight.shape[0] if weight.dim() == 2 else 1
@@ -333,7 +347,7 @@ def vocab_parallel_loss(
     """
     opts = build_options(options.key, **constant_changes(overrides))
     validation.check_num_items(num_items_in_batch, opts.reduction)
-    _check_tensors(hidden, weight, labels, bias, class_weight, shard)
+    check_shard_tensors(hidden, weight, labels, bias, class_weight, shard)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
     as_tensor = isinstance(num_items_in_batch, Tensor)

@@ -1,4 +1,5 @@
-"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding."""
+"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding, and
+the fold of the logits GEMM's log-sum-exp partials."""
 
 from __future__ import annotations
 
@@ -57,3 +58,21 @@ def round_bf16_nearest(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+def fold_partials(pmax_ptr, psum_ptr, row, n_parts, BLOCK_P: tl.constexpr):
+    """(max, log-sum-exp) of one row from its per-tile (max, sum exp(a - max)) partials, as the
+    logits GEMM leaves them (``triton/logits.py``). A kernel takes it as the constexpr
+    ``FOLD_FN=jitted(fold_partials)``."""
+    run_max = tl.zeros([], dtype=tl.float32) - float("inf")
+    run_sum = tl.zeros([], dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK_P)
+    for start in range(0, n_parts, BLOCK_P):
+        idx = start + offsets
+        mask = idx < n_parts
+        p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
+        p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
+        new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
+        run_max = new_max
+    return run_max, run_max + tl.log(run_sum)

@@ -41,28 +41,36 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.distillation_options import DistillOptions
-from liger_patch.ops.triton.common import jitted, softcap
+from liger_patch.ops.triton.common import fold_partials, jitted, softcap
 from liger_patch.ops.tuning import Tuning
 
 Partials = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """((pmax, psum) of the student, (pmax, psum) of the teacher): ``logits_with_partials``' first two."""
 
 
-def fold_partials(pmax_ptr, psum_ptr, row, n_parts, BLOCK_P: tl.constexpr):
-    """(max, log-sum-exp) of one row from its per-tile (max, sum exp(a - max)) partials. The
-    kernel takes it as the constexpr ``FOLD_FN=jitted(fold_partials)``."""
-    run_max = tl.zeros([], dtype=tl.float32) - float("inf")
-    run_sum = tl.zeros([], dtype=tl.float32)
-    offsets = tl.arange(0, BLOCK_P)
-    for start in range(0, n_parts, BLOCK_P):
-        idx = start + offsets
-        mask = idx < n_parts
-        p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
-        p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
-        new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
-        run_max = new_max
-    return run_max, run_max + tl.log(run_sum)
+def final_block(row_ptr, cols, mask, scale, cap, CAPPED: tl.constexpr, SOFTCAP_FN: tl.constexpr):
+    """One side's final logits a = softcap(s' x) in fp32 at ``cols`` of its row (x as stored, 0
+    where ``mask`` is off), and the softcap's slope (1.0 without one). The kernel takes it as the
+    constexpr ``FINAL_FN=jitted(final_block)``."""
+    a = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    slope = 1.0
+    if CAPPED:
+        a, slope = SOFTCAP_FN(a, cap)
+    return a, slope
+
+
+def mixture_terms(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta):
+    """The mixture's terms at a block (the module doc's u, v and d = u - v): the larger of
+    (1 - beta) p_s and beta p_t, e = exp(-|d|) (the smaller is their product), whether the
+    student's is the larger, and r = log p_s - log m. The kernel takes it as the constexpr
+    ``MIX_FN=jitted(mixture_terms)`` (for 0 < beta < 1 only)."""
+    d_m = delta + kappa
+    e_m = tl.exp(-tl.abs(d_m))
+    s_larger = d_m >= 0.0
+    # p <= 1: lse from the partials may sit a rounding below a logit
+    larger = tl.exp(tl.minimum(tl.where(s_larger, a_s - lse_s + log_1m_beta, a_t - lse_t + log_beta), 0.0))
+    r = tl.where(s_larger, -log_1m_beta, delta - log_beta) - tl.log(1.0 + e_m)
+    return larger, e_m, s_larger, r
 
 
 def _distill_rows_kernel(
@@ -107,6 +115,8 @@ def _distill_rows_kernel(
     BLOCK_P: tl.constexpr,
     SOFTCAP_FN: tl.constexpr,
     FOLD_FN: tl.constexpr,
+    FINAL_FN: tl.constexpr,
+    MIX_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -138,15 +148,11 @@ def _distill_rows_kernel(
             for i in range(0, n_blocks):
                 cols = i * BLOCK_V + offsets
                 mask = cols < V
-                a_s = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * s_scale
-                if S_SOFTCAP:
-                    a_s, _ = SOFTCAP_FN(a_s, s_cap)
+                a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
                 if HAS_PARTIALS:  # the cross-entropy's sum only, shifted by the known maximum
                     sum_z += tl.where(mask, tl.exp(temperature * (a_s - max_s)), 0.0)
                 else:
-                    a_t = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * t_scale
-                    if T_SOFTCAP:
-                        a_t, _ = SOFTCAP_FN(a_t, t_cap)
+                    a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
                     d_s = tl.where(mask, a_s - m_s, float("-inf"))
                     d_t = tl.where(mask, a_t - m_t, float("-inf"))
                     e_s = tl.exp(-tl.abs(d_s))
@@ -199,21 +205,10 @@ def _distill_rows_kernel(
                 start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_K else i * BLOCK_V
                 cols = start + offsets
                 mask = cols < V
-                a_s = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * s_scale
-                if S_SOFTCAP:
-                    a_s, _ = SOFTCAP_FN(a_s, s_cap)
-                a_t = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * t_scale
-                if T_SOFTCAP:
-                    a_t, _ = SOFTCAP_FN(a_t, t_cap)
+                a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
+                a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
                 delta = (a_s - a_t) - c
-                d_m = delta + kappa
-                e_m = tl.exp(-tl.abs(d_m))
-                s_larger = d_m >= 0.0
-                # p <= 1: lse from the partials may sit a rounding below a logit
-                larger = tl.exp(
-                    tl.minimum(tl.where(s_larger, a_s - lse_s + log_1m_beta, a_t - lse_t + log_beta), 0.0)
-                )
-                r = tl.where(s_larger, -log_1m_beta, delta - log_beta) - tl.log(1.0 + e_m)
+                larger, e_m, s_larger, r = MIX_FN(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta)
                 smaller = larger * e_m
                 acc_s += tl.where(mask, tl.where(s_larger, larger, smaller) * r, 0.0)
                 acc_t += tl.where(mask, tl.where(s_larger, smaller, larger) * (r - delta), 0.0)
@@ -242,12 +237,8 @@ def _distill_rows_kernel(
                 start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_LAST else i * BLOCK_V
                 cols = start + offsets
                 mask = cols < V
-                a_s = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.float32) * s_scale
-                if S_SOFTCAP:
-                    a_s, slope = SOFTCAP_FN(a_s, s_cap)
-                a_t = tl.load(t_row + cols, mask=mask, other=0.0).to(tl.float32) * t_scale
-                if T_SOFTCAP:
-                    a_t, _ = SOFTCAP_FN(a_t, t_cap)
+                a_s, slope = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
+                a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
                 delta = (a_s - a_t) - c
                 if BETA_MODE == 0:
                     p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
@@ -259,13 +250,9 @@ def _distill_rows_kernel(
                     p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
                     g = p_s * (delta - div)
                 else:
-                    d_m = delta + kappa
-                    e_m = tl.exp(-tl.abs(d_m))
-                    s_larger = d_m >= 0.0
-                    larger = tl.exp(
-                        tl.minimum(tl.where(s_larger, a_s - lse_s + log_1m_beta, a_t - lse_t + log_beta), 0.0)
+                    larger, e_m, s_larger, r = MIX_FN(
+                        a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta
                     )
-                    r = tl.where(s_larger, -log_1m_beta, delta - log_beta) - tl.log(1.0 + e_m)
                     scaled_ps = tl.where(s_larger, larger, larger * e_m)  # (1 - beta) p_s
                     g = scaled_ps * (r - kl_s)
                     p_s = scaled_ps * inv_1m_beta
@@ -434,6 +421,8 @@ def distill_rows_triton(
         # A jitted function as a constexpr costs host time at every launch: passed only when used.
         SOFTCAP_FN=jitted(softcap) if capped else None,
         FOLD_FN=jitted(fold_partials) if has_partials else None,
+        FINAL_FN=jitted(final_block),
+        MIX_FN=jitted(mixture_terms) if mode == 2 else None,
         num_warps=warps,
     )
     return loss

@@ -100,17 +100,21 @@ def test_refuses_what_it_cannot_use():
             triton_distill.distill_rows_triton(logits, logits, labels, opts, grad=grad, coef=torch.ones(3))
 
 
-# (BETA_MODE, HAS_CE, CE_SCALED, softcaps, HAS_PARTIALS, COMPUTE_GRAD, student, teacher, grad dtypes,
-#  GRAD_ALIASES_WIDER)
+# (BETA_MODE, HAS_CE, CE_SCALED, (S_SOFTCAP, T_SOFTCAP), HAS_PARTIALS, COMPUTE_GRAD, student, teacher,
+#  grad dtypes, GRAD_ALIASES_WIDER)
+BOTH, NEITHER = (True, True), (False, False)
 VARIANTS = [
-    (0, False, False, False, True, True, "*bf16", "*bf16", "*bf16", False),
-    (0, True, True, True, False, False, "*bf16", "*bf16", "*bf16", False),
-    (0, True, True, False, True, True, "*fp16", "*fp16", "*fp16", False),
-    (1, True, True, True, False, True, "*fp32", "*bf16", "*fp32", False),
-    (2, True, True, True, True, True, "*bf16", "*bf16", "*bf16", False),
-    (2, True, False, False, False, True, "*bf16", "*fp32", "*bf16", False),
-    (0, True, True, True, False, True, "*fp32", "*fp32", "*bf16", True),
-    (2, False, False, False, False, True, "*fp32", "*fp32", "*bf16", True),
+    (0, False, False, NEITHER, True, True, "*bf16", "*bf16", "*bf16", False),
+    (0, True, True, BOTH, False, False, "*bf16", "*bf16", "*bf16", False),
+    (0, True, True, NEITHER, True, True, "*fp16", "*fp16", "*fp16", False),
+    (1, True, True, BOTH, False, True, "*fp32", "*bf16", "*fp32", False),
+    (2, True, True, BOTH, True, True, "*bf16", "*bf16", "*bf16", False),
+    (2, True, False, NEITHER, False, True, "*bf16", "*fp32", "*bf16", False),
+    (0, True, True, BOTH, False, True, "*fp32", "*fp32", "*bf16", True),
+    (2, False, False, NEITHER, False, True, "*fp32", "*fp32", "*bf16", True),
+    # one side capped: its slope a tensor, the other's the constant 1.0 (final_block)
+    (2, True, True, (True, False), False, True, "*bf16", "*bf16", "*bf16", False),
+    (1, False, False, (False, True), False, True, "*bf16", "*bf16", "*bf16", False),
 ]
 
 COMPILE_SCRIPT = r"""
@@ -118,8 +122,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.triton.common import softcap
-from liger_patch.ops.triton.distill import _distill_rows_kernel, fold_partials, launch_config
+from liger_patch.ops.triton.common import fold_partials, softcap
+from liger_patch.ops.triton.distill import _distill_rows_kernel, final_block, launch_config, mixture_terms
 from liger_patch.ops.tuning import Tuning
 
 pointers = ["s_ptr", "t_ptr", "grad_ptr", "labels_ptr", "coef_ptr", "loss_ptr",
@@ -130,15 +134,19 @@ scalars = {"n_parts": "i32", "stride_s": "i64", "stride_t": "i64", "stride_grad"
            "temperature": "fp32"}
 block, warps = launch_config(128256, Tuning(), interpret=False)
 kernel, softcap_fn, fold_fn = triton.jit(_distill_rows_kernel), triton.jit(softcap), triton.jit(fold_partials)
+final_fn, mix_fn = triton.jit(final_block), triton.jit(mixture_terms)
 report = []
-for mode, ce, scaled, caps, partials, grad, s_dtype, t_dtype, g_dtype, aliases in json.loads(sys.argv[1]):
+for mode, ce, scaled, (s_cap, t_cap), partials, grad, s_dtype, t_dtype, g_dtype, aliases in json.loads(
+    sys.argv[1]
+):
     signature = {name: "*fp32" for name in pointers}
     signature.update(s_ptr=s_dtype, t_ptr=t_dtype, grad_ptr=g_dtype, labels_ptr="*i64", **scalars)
     stats = (not partials) or (scaled and mode != 2)
-    constexprs = dict(BETA_MODE=mode, HAS_CE=ce, CE_SCALED=scaled, S_SOFTCAP=caps, T_SOFTCAP=caps,
+    constexprs = dict(BETA_MODE=mode, HAS_CE=ce, CE_SCALED=scaled, S_SOFTCAP=s_cap, T_SOFTCAP=t_cap,
                       HAS_PARTIALS=partials, STATS_PASS=stats, LAST_D=mode == 0 and partials,
                       COMPUTE_GRAD=grad, GRAD_ALIASES_WIDER=aliases, REVERSE_K=stats, REVERSE_LAST=False,
-                      BLOCK_V=block, BLOCK_P=1024, SOFTCAP_FN=softcap_fn, FOLD_FN=fold_fn)
+                      BLOCK_V=block, BLOCK_P=1024, SOFTCAP_FN=softcap_fn, FOLD_FN=fold_fn,
+                      FINAL_FN=final_fn, MIX_FN=mix_fn if mode == 2 else None)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
