@@ -49,13 +49,15 @@ class FusedLogits:
 
     ``supported(h, w, logits_dtype, tuning)`` says whether it can compute a chunk;
     ``partial_bytes_per_row(vocab, opts)`` is what its partials add to the chunk's memory;
-    ``logits_with_partials(h, w, bias, opts, out)`` writes the logits into ``out`` and returns
-    the partials the row kernel takes as ``partials=``.
+    ``logits_with_partials(h, w, bias, opts, out, partials=None)`` writes the logits into ``out``
+    and returns the partials the row kernel takes as ``partials=`` (written into ``partials``
+    when given: ``new_partials(rows, vocab, opts, device)``'s buffers, or rows of them).
     """
 
     supported: Callable[..., bool]
     partial_bytes_per_row: Callable[..., int]
     logits_with_partials: Callable[..., tuple]
+    new_partials: Callable[..., tuple]
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,9 @@ def _triton() -> Backend:
         name="triton",
         row_kernel=rows.ce_rows_triton,
         scale_=scale.scale_,
-        fused_logits=FusedLogits(logits.supported, logits.partial_bytes_per_row, logits.logits_with_partials),
+        fused_logits=FusedLogits(
+            logits.supported, logits.partial_bytes_per_row, logits.logits_with_partials, logits.new_partials
+        ),
         unavailable=_triton_unavailable,
     )
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from liger_patch.ops import head_start
 from liger_patch.ops.backends import Backend
 from liger_patch.ops.budget import ChunkPlan, ChunkShape, plan_chunks
 from liger_patch.ops.gemm import chunk_logits, gemm_dtype_for, gemm_logits, grad_view, mm_into
@@ -93,6 +94,40 @@ def _plan(
     return plan_chunks(shape, budget_bytes, opts.tuning), fused, None
 
 
+@torch.no_grad()
+def start_head(
+    backend: Backend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: LossOptions,
+    budget_bytes: int,
+    grad_weight: bool,
+    no_partials: bool,
+    keep: torch.Tensor | None,
+) -> head_start.HeadStart | None:
+    """``head_start.start`` for a forward ``run_chunks`` call with these arguments (``no_partials``
+    as ``_plan`` takes it) that walks every row of ``hidden``, or with ``keep`` (the kept rows'
+    mask) the kept ones: its plan and GEMM operands. ``None`` where that call's first chunk would
+    not come from the fused GEMM (two passes, cuBLAS logits) or the weight needs a cast first."""
+    if weight.dtype != hidden.dtype or gemm_dtype_for(hidden) != hidden.dtype or hidden.shape[0] == 0:
+        return None
+    logits_dtype = opts.logits_dtype or hidden.dtype
+    # ``keep`` stands in for the kept rows' index, whose length is not known yet: over every
+    # row the first chunk is the plan's, over the kept ones it has at most the rows the budget
+    # holds unrounded (what a plan of one walked row gets: ``budget.chunk_rows``).
+    args = (backend, hidden, weight, opts, logits_dtype, budget_bytes, grad_weight, False, no_partials)
+    plan, fused, walked = _plan(*args, keep)
+    if fused is None or plan.two_pass or plan.weight_in_grad_weight or (keep is not None and walked is None):
+        return None
+    first = plan.rows if keep is None else _plan(*args, keep[:1])[0].rows
+    b = None if bias is None else bias.float().contiguous()
+    with torch.autocast(hidden.device.type, enabled=False):
+        return head_start.start(
+            hidden, weight, b, opts, logits_dtype, fused, min(first, hidden.shape[0]), keep
+        )
+
+
 @dataclass(frozen=True)
 class _PassState:
     """What the passes of one ``run_chunks`` call read: the same for every chunk and block.
@@ -121,6 +156,7 @@ class _PassState:
     grad_sum: torch.Tensor | None
     token_grads: bool
     low_rank: LowRank | None = None
+    head: head_start.HeadStart | None = None  # the first chunk's logits, begun before the call
 
     def per_row(self, chunk: Chunk) -> dict:
         """The row kernel's per-row coefficients and given log-sum-exp for ``chunk``'s rows."""
@@ -171,6 +207,7 @@ def run_chunks(
     row_index: torch.Tensor | None = None,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     need_low_rank: tuple[bool, bool] = (False, False),
+    head: head_start.HeadStart | None = None,
 ) -> ChunkResult:
     """Loss terms for every row of ``hidden`` (N, H), and gradients when coefficients are given.
 
@@ -199,6 +236,9 @@ def run_chunks(
 
     ``low_rank`` ``(u, B)`` adds ``u B^T`` to the logits (``low_rank.py``); ``need_low_rank`` says
     whether u and B want gradients (``ChunkResult.grad_u`` / ``grad_b``).
+
+    ``head``: ``start_head``'s first chunk for this call, used where the call walks every row with
+    the plan it was started for, else dropped.
     """
     wanted = (need_hidden, need_weight, need_bias, *need_low_rank)
     compute_grad = coef_ce is not None and any(wanted)
@@ -223,6 +263,11 @@ def run_chunks(
         tuple(compute_grad and n for n in need_low_rank),
         row_index is not None,
     )
+    walking = hidden.shape[0] if row_index is None else row_index.shape[0]
+    if head is not None and (
+        fused is None or plan.two_pass or not head.fits(row_index is not None, min(plan.rows, walking))
+    ):
+        head = None
     rows = RowRecords.walking(class_weight, outputs, entropy_grad, row_index)
     res = _new_result(
         hidden,
@@ -254,6 +299,7 @@ def run_chunks(
         grad_sum=grad_sum,
         token_grads=compute_grad and (need_hidden or any(need_low_rank) or not plan.two_pass),
         low_rank=term,
+        head=head,
     )
     # With the log-sum-exp given and no gradient wanted from token chunks, pass A has no work.
     if lse_in is None or state.token_grads:
@@ -287,8 +333,13 @@ def _token_pass(state: _PassState) -> None:
     ces, lses = [], []
     for chunk in state.rows.chunks(state.hidden.shape[0], state.plan.rows):
         h = chunk.take(state.hidden).to(w.dtype)
-        out = None if scratch is None else buffer_in(scratch, h.shape[0], w.shape[0], state.logits_dtype)
-        logits, partials = chunk_logits(h, w, state.b, state.opts, state.logits_dtype, out, state.fused)
+        if state.head is not None and chunk.start == 0:
+            logits, partials = head_start.finish(
+                state.head, h, w, state.b, state.opts, state.logits_dtype, state.fused
+            )
+        else:
+            out = None if scratch is None else buffer_in(scratch, h.shape[0], w.shape[0], state.logits_dtype)
+            logits, partials = chunk_logits(h, w, state.b, state.opts, state.logits_dtype, out, state.fused)
         u = None if state.low_rank is None else state.low_rank.rows(chunk)
         if u is not None:
             state.low_rank.add_to(logits, u)

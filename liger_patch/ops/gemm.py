@@ -86,14 +86,17 @@ def chunk_logits(
     dtype: torch.dtype,
     out: torch.Tensor | None,
     backend: Backend | None,
+    partials: tuple | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """A token chunk's logits and, where ``backend``'s fused logits GEMM supports the chunk, the
-    log-sum-exp partials it leaves for the row kernel; else ``gemm_logits`` and ``None``."""
+    log-sum-exp partials it leaves for the row kernel (in ``partials`` when given); else
+    ``gemm_logits`` and ``None``."""
     fused = backend.fused_logits if backend is not None else None
     if fused is not None and fused.supported(h, w, dtype, opts.tuning):
         if out is None:
             out = torch.empty(h.shape[0], w.shape[0], dtype=dtype, device=h.device)
-        return out, fused.logits_with_partials(h, w, _bias_as_added(b, h.dtype, dtype), opts, out)
+        bias = _bias_as_added(b, h.dtype, dtype)
+        return out, fused.logits_with_partials(h, w, bias, opts, out, partials)
     return gemm_logits(h, w, b, dtype, out=out), None
 
 

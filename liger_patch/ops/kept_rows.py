@@ -19,8 +19,30 @@ class CheckedLabels(NamedTuple):
     n_kept: int | None  # read in the sync; None while a CUDA graph is captured
 
 
-def checked_labels(
+def _capturing(labels: Tensor) -> bool:
+    return labels.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def start_label_check(
     labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float | None, num_items: Tensor | None
+) -> validation.ValueCheck | None:
+    """``checked_labels``' device work, enqueued without waiting for its values
+    (``validation.start_value_check``); ``None`` while a CUDA graph is captured (no sync there).
+    Work the caller enqueues before passing it to ``checked_labels`` runs while the host waits."""
+    if _capturing(labels):
+        return None
+    return validation.start_value_check(
+        labels, vocab, opts.ignore_index, divisor if num_items is not None else None
+    )
+
+
+def checked_labels(
+    labels: Tensor,
+    vocab: int,
+    opts: LossOptions,
+    divisor: Tensor | float | None,
+    num_items: Tensor | None,
+    started: validation.ValueCheck | None = None,
 ) -> CheckedLabels:
     """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
     does, in one host sync, which also reads the number of kept labels: with at least
@@ -30,10 +52,13 @@ def checked_labels(
     While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned into
     ``ignore_index`` (kernels never index with them), every row is computed, and the second result
     is a 0-d factor, NaN when anything was bad and 1 otherwise, that the caller multiplies every
-    result by. ``divisor`` is the ``num_items_in_batch`` tensor's divisor to check, or ``None``."""
+    result by. ``divisor`` is the ``num_items_in_batch`` tensor's divisor to check, or ``None``.
+    ``started``: this check as ``start_label_check`` began it."""
     user_divisor = divisor if num_items is not None else None
-    if not (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
-        n_kept = validation.check_values(labels, vocab, opts.ignore_index, user_divisor)
+    if not _capturing(labels):
+        if started is None:
+            started = validation.start_value_check(labels, vocab, opts.ignore_index, user_divisor)
+        n_kept = started.result()
         if not opts.tuning.skips_ignored(labels.shape[0], n_kept):
             return CheckedLabels(labels, None, None, n_kept)
         kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)

@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops import budget
+from liger_patch.ops import budget, head_start
 from liger_patch.ops.backends import Backend, pick
-from liger_patch.ops.chunked import ChunkResult, run_chunks
+from liger_patch.ops.chunked import ChunkResult, run_chunks, start_head
 from liger_patch.ops.double_backward import differentiable_grads
-from liger_patch.ops.kept_rows import checked_labels
+from liger_patch.ops.kept_rows import checked_labels, start_label_check
 from liger_patch.ops.options import LossOptions
 from liger_patch.ops.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights, z_loss_rows
 from liger_patch.ops.row_io import ClassWeight, EntropyGrad, RowOutputs
@@ -42,10 +42,6 @@ _F32 = torch.float32
 def _low_rank_needs(needs: list[bool]) -> tuple[bool, bool]:
     """Whether u and B want gradients: ``needs``' entries 4 and 5 (absent: no)."""
     return (len(needs) > 3 and needs[3], len(needs) > 4 and needs[4])
-
-
-def _low_rank(u: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    return None if u is None else (u, b)
 
 
 def _precompute(opts: LossOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
@@ -78,15 +74,17 @@ def _budget_bytes(
     return budget.working_bytes(opts.memory_budget, labels.shape[0], hidden.nbytes, whole)
 
 
-def _row_outputs(opts: LossOptions, n: int, device: torch.device) -> RowOutputs:
-    def rows(wanted: bool, dtype: torch.dtype) -> Tensor | None:
-        return torch.empty(n, dtype=dtype, device=device) if wanted else None
-
-    return RowOutputs(
-        argmax=rows(_wants_argmax(opts), torch.int64),
-        entropy=rows(opts.return_entropy, _F32),
-        token_scale=rows(opts.use_token_scaling, _F32),
-    )
+def _start_head(opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u):
+    """``chunked.start_head`` for this forward: over the kept rows where the last call of this
+    shape skipped ignored ones and the budget does not depend on how many are kept, else over
+    every row."""
+    budget_all = _budget_bytes(opts, hidden, weight, labels, None)
+    skip = head_start.expects_skip((hidden.device, labels.shape[0], weight.shape[0]))
+    if skip and _budget_bytes(opts, hidden, weight, labels, labels[:1]) != budget_all:
+        return None
+    no_partials = low_rank_u is not None or (cw is not None and opts.label_smoothing != 0.0)
+    args = (budget_all, precompute and needs[1], no_partials, keep if skip else None)
+    return start_head(backend, hidden, weight, bias, opts, *args)
 
 
 def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
@@ -118,7 +116,18 @@ def flce(
     counted = counted_divisor(opts, cw, num_items, num_items_value)
     # A divisor that is the kept count is read in the label check's sync: no launches for it.
     divisor = None if counted else loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
-    labels, poison, kept_rows, n_kept = checked_labels(labels, weight.shape[0], opts, divisor, num_items)
+    backend = pick(opts.backend, hidden.device)
+    precompute = _precompute(opts, hidden.dtype, needs)
+    started = start_label_check(labels, weight.shape[0], opts, divisor, num_items)
+    head, shape_key = None, (hidden.device, labels.shape[0], weight.shape[0])
+    if started is not None:  # queued now, computed while the host waits for the check below
+        head = _start_head(
+            opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u
+        )
+    labels, poison, kept_rows, n_kept = checked_labels(
+        labels, weight.shape[0], opts, divisor, num_items, started
+    )
+    head_start.remember(shape_key, kept_rows is not None)
     if poison is not None:  # a captured graph: bad labels became ignored ones
         keep = labels != opts.ignore_index
     if counted:
@@ -126,11 +135,12 @@ def flce(
     row_weight = row_weights(keep, opts.reduction, divisor)
     if poison is not None:
         row_weight = row_weight * poison
-    precompute = _precompute(opts, hidden.dtype, needs)
-    outputs = _row_outputs(opts, labels.shape[0], hidden.device)
+    outputs = RowOutputs.empty(
+        labels.shape[0], hidden.device, _wants_argmax(opts), opts.return_entropy, opts.use_token_scaling
+    )
     with torch.autocast(hidden.device.type, enabled=False):
         res = run_chunks(
-            pick(opts.backend, hidden.device),
+            backend,
             hidden,
             weight,
             bias,
@@ -145,8 +155,9 @@ def flce(
             class_weight=cw,
             outputs=outputs,
             row_index=kept_rows,
-            low_rank=_low_rank(low_rank_u, low_rank_b),
+            low_rank=None if low_rank_u is None else (low_rank_u, low_rank_b),
             need_low_rank=tuple(precompute and n for n in _low_rank_needs(needs)),
+            head=head,
         )
     if opts.z_loss_scale == 0.0:  # the common case: no z-loss rows to make and add (launches)
         loss = reduce_rows(res.ce, opts.reduction, divisor)
@@ -255,7 +266,7 @@ def flce_backward(
         coef_ce=coef_ce,
         coef_z=coef_z,
         entropy_grad=entropy_grad,
-        low_rank=_low_rank(low_rank_u, low_rank_b),
+        low_rank=None if low_rank_u is None else (low_rank_u, low_rank_b),
     )
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias, res.grad_u, res.grad_b)
     return tuple(g if g is not None else _empty(hidden) for g in grads)

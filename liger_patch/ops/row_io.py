@@ -33,6 +33,17 @@ class RowOutputs:
     entropy: torch.Tensor | None = None
     token_scale: torch.Tensor | None = None
 
+    @classmethod
+    def empty(
+        cls, n: int, device: torch.device, argmax: bool, entropy: bool, token_scale: bool
+    ) -> RowOutputs:
+        """Uninitialised (n,) buffers for the outputs asked for (the row kernels write every row)."""
+
+        def rows(wanted: bool, dtype: torch.dtype) -> torch.Tensor | None:
+            return torch.empty(n, dtype=dtype, device=device) if wanted else None
+
+        return cls(rows(argmax, torch.int64), rows(entropy, torch.float32), rows(token_scale, torch.float32))
+
     def rows(self, start: int, stop: int) -> RowOutputs:
         """The same record for rows ``[start, stop)`` (views, written in place)."""
         return RowOutputs(*(None if t is None else t[start:stop] for t in self.tensors()))

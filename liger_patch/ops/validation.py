@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -149,6 +150,64 @@ def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
         )
 
 
+class ValueCheck(NamedTuple):
+    """A label check started on the device (``start_value_check``) whose values come back to
+    the host later, in ``result``: work enqueued in between runs while the host waits."""
+
+    labels: torch.Tensor
+    vocab: int
+    ignore_index: int
+    divisor: torch.Tensor | None
+    host: torch.Tensor | None  # (n_kept, low, high[, bad divisor]) on the host, once ``ready``
+    ready: torch.cuda.Event | None  # None: ``host`` was filled synchronously (CPU, or no labels)
+
+    def result(self) -> int:
+        """The number of labels that are not ``ignore_index``; raises for a bad label or
+        ``num_items_in_batch`` as ``check_values`` says."""
+        if self.host is None:  # no labels
+            divisor = self.divisor
+            if divisor is not None and not bool(torch.isfinite(divisor) & (divisor >= 0)):
+                raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
+            return 0
+        if self.ready is not None:
+            self.ready.synchronize()
+        n_kept, low, high, *bad_divisor = self.host.tolist()
+        if bad_divisor and bad_divisor[0]:
+            raise ValueError(f"num_items_in_batch must be finite and >= 0, got {self.divisor.item()}")
+        if low >= 0 and high < self.vocab:
+            return n_kept
+        labels = self.labels
+        bad_labels = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab))
+        position = int(bad_labels.nonzero()[0, 0])
+        value = int(labels[position])
+        raise IndexError(
+            f"label {value} at flat position {position} is outside [0, {self.vocab}) and is not "
+            f"ignore_index={self.ignore_index}"
+        )
+
+
+def start_value_check(
+    labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | None = None
+) -> ValueCheck:
+    """Enqueue ``check_values``'s device work and the copy of its few values to the host,
+    without waiting for them: on CUDA into pinned memory, with an event to wait on."""
+    if labels.numel() == 0:
+        return ValueCheck(labels, vocab, ignore_index, divisor, None, None)
+    keep = labels != ignore_index
+    low, high = torch.aminmax(torch.where(keep, labels, 0))
+    stats = [keep.sum(), low, high]
+    if divisor is not None:
+        stats.append((~(torch.isfinite(divisor) & (divisor >= 0))).long())
+    stacked = torch.stack(stats)
+    if not stacked.is_cuda:
+        return ValueCheck(labels, vocab, ignore_index, divisor, stacked, None)
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return ValueCheck(labels, vocab, ignore_index, divisor, host, ready)
+
+
 def check_values(
     labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | None = None
 ) -> int:
@@ -158,24 +217,4 @@ def check_values(
     device and read back in one host sync, with the number of labels that are not
     ``ignore_index``, which is returned. Few launches: the kept labels' least and greatest value
     and their count come back together (each launch is host time the GPU may wait for)."""
-    if labels.numel() == 0:
-        if divisor is not None and not bool(torch.isfinite(divisor) & (divisor >= 0)):
-            raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
-        return 0
-    keep = labels != ignore_index
-    low, high = torch.aminmax(torch.where(keep, labels, 0))
-    stats = [keep.sum(), low, high]
-    if divisor is not None:
-        stats.append((~(torch.isfinite(divisor) & (divisor >= 0))).long())
-    n_kept, low, high, *bad_divisor = torch.stack(stats).tolist()
-    if bad_divisor and bad_divisor[0]:
-        raise ValueError(f"num_items_in_batch must be finite and >= 0, got {divisor.item()}")
-    if low >= 0 and high < vocab:
-        return n_kept
-    bad_labels = keep & ((labels < 0) | (labels >= vocab))
-    position = int(bad_labels.nonzero()[0, 0])
-    value = int(labels[position])
-    raise IndexError(
-        f"label {value} at flat position {position} is outside [0, {vocab}) and is not "
-        f"ignore_index={ignore_index}"
-    )
+    return start_value_check(labels, vocab, ignore_index, divisor).result()

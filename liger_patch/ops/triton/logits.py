@@ -29,6 +29,9 @@ from liger_patch.ops.options import LossOptions
 from liger_patch.ops.triton.common import jitted, round_bf16_nearest, softcap
 from liger_patch.ops.tuning import Tuning
 
+Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""(pmax, psum, pz): ``logits_with_partials``' per-tile maxima, sums and (smoothing) logit sums."""
+
 _ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
 
 # On CUDA the tiles (BM, BN, BK, stages, warps) are the call's ``Tuning.logits_tiles``.
@@ -174,18 +177,28 @@ def partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
     return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
 
 
+def new_partials(rows: int, vocab: int, opts: LossOptions, device: torch.device) -> Partials:
+    """Empty partials for ``rows`` rows (``logits_with_partials`` fills them)."""
+    tiles_n = triton.cdiv(vocab, _tiles(opts.tuning, env.triton_interpret())[1])
+    pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=device)
+    pz = torch.empty_like(pmax) if opts.label_smoothing != 0.0 else None
+    return pmax, torch.empty_like(pmax), pz
+
+
 def logits_with_partials(
     h: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
     opts: LossOptions,
     out: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    partials: Partials | None = None,
+) -> Partials:
     """Write ``h w^T + bias`` into ``out`` (rows x V, contiguous) and return the partials.
 
     Returns ``(pmax, psum, pz)``, each (rows, tiles) fp32: per vocabulary tile of each row, the
     max of the transformed logits ``z``, the sum of ``exp(z - max)``, and (label smoothing only,
-    else ``None``) the sum of ``z``. ``bias`` must already be in the dtype whose values the
+    else ``None``) the sum of ``z``; written into ``partials`` when given (``new_partials``'
+    buffers, or rows of them), else new. ``bias`` must already be in the dtype whose values the
     cuBLAS path adds (see ``gemm``). Call only where ``supported`` says so.
     """
     rows, k = h.shape
@@ -193,10 +206,10 @@ def logits_with_partials(
     interpret = env.triton_interpret()
     bm, bn, bk, stages, warps = _tiles(opts.tuning, interpret)
     tiles_n = triton.cdiv(vocab, bn)
-    pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=h.device)
-    psum = torch.empty_like(pmax)
+    pmax, psum, pz = partials if partials is not None else new_partials(rows, vocab, opts, h.device)
+    if pmax.shape != (rows, tiles_n) or not (pmax.is_contiguous() and psum.is_contiguous()):
+        raise ValueError(f"partials must be contiguous ({rows}, {tiles_n}); got {tuple(pmax.shape)}")
     smoothing = opts.label_smoothing != 0.0
-    pz = torch.empty_like(pmax) if smoothing else None
     n_tiles = triton.cdiv(rows, bm) * tiles_n
     if n_tiles == 0:
         return pmax, psum, pz

@@ -30,17 +30,19 @@ def _fused_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Row counts of the chunks that went through the fused GEMM (those that came with partials)."""
+    """Row counts of the chunks that went through the fused GEMM (those that came with partials):
+    a first chunk begun before the label check (``head_start``) counts once, when it is used."""
     calls = []
-    real = chunked.chunk_logits
+    for module, name in ((chunked, "chunk_logits"), (chunked.head_start, "finish")):
+        real = getattr(module, name)
 
-    def spy(*args, **kwargs):
-        logits, partials = real(*args, **kwargs)
-        if partials is not None:
-            calls.append(args[0].shape[0])
-        return logits, partials
+        def spy(*args, real=real, **kwargs):
+            logits, partials = real(*args, **kwargs)
+            if partials is not None:
+                calls.append(logits.shape[0])
+            return logits, partials
 
-    monkeypatch.setattr(chunked, "chunk_logits", spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
