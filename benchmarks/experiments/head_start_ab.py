@@ -54,10 +54,8 @@ def main(argv=None) -> int:
             fns = {"ours": flce.ours, "ours_no_head": _no_head}
             if frac == 0.0:
                 fns["ours_no_sync"] = _unsynced(flce.ours)
-            same = all(
-                torch.equal(a, b)
-                for a, b in zip(_bits(flce.ours, hidden, weight, labels), _bits(_no_head, hidden, weight, labels))
-            )
+            with_head, without = (_bits(fn, hidden, weight, labels) for fn in (flce.ours, _no_head))
+            same = all(torch.equal(a, b) for a, b in zip(with_head, without, strict=True))
             row = {"N": n, "H": h, "V": v, "ignore_frac": frac, "bit_equal": same}
             floor = functools.partial(time_floor, hidden.detach(), weight.detach(), args.rep_ms)
             row.update(rotated_medians(fns, (hidden, weight, labels), floor, args.rounds, args.rep_ms))
