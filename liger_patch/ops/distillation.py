@@ -69,7 +69,6 @@ def flat_operands(
     ``num_items_in_batch`` as the operators take it, a tensor or a float (the other ``None``)."""
     (sh, sw, sb), (th, tw, tb) = student, teacher
     n = labels.numel()
-    as_tensor = isinstance(num_items_in_batch, Tensor)
     return (
         sh.reshape(n, sh.shape[-1]),
         sw,
@@ -78,8 +77,7 @@ def flat_operands(
         tw,
         tb,
         labels.reshape(-1),
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
+        *validation.num_items_operands(num_items_in_batch),
     )
 
 

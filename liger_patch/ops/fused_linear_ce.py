@@ -64,15 +64,13 @@ def _fused(
     u, b = _low_rank_inputs(low_rank, hidden, weight)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, b)]
-    as_tensor = isinstance(num_items_in_batch, torch.Tensor)
     loss, z_loss, argmax, entropy, *_ = torch.ops.liger_patch.flce(
         h2d,
         weight,
         bias,
         flat_labels,
         class_weight,
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
+        *validation.num_items_operands(num_items_in_batch),
         opts.key,
         needs if u is not None else needs[:3],
         **({} if u is None else {"low_rank_u": u.reshape(labels.numel(), u.shape[-1]), "low_rank_b": b}),

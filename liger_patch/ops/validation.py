@@ -61,6 +61,14 @@ def check_num_items(num_items_in_batch: object, reduction: str) -> None:
         raise ValueError(f"num_items_in_batch must be finite and >= 0, got {num_items_in_batch}")
 
 
+def num_items_operands(num_items_in_batch: object) -> tuple[torch.Tensor | None, float | None]:
+    """``num_items_in_batch`` (checked by ``check_num_items``) as the registered operators take
+    it: a tensor, or a float, the other ``None``."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch, None
+    return None, None if num_items_in_batch is None else float(num_items_in_batch)
+
+
 def check_tensors(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None
 ) -> None:

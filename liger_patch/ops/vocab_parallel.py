@@ -350,15 +350,13 @@ def vocab_parallel_loss(
     check_shard_tensors(hidden, weight, labels, bias, class_weight, shard)
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
-    as_tensor = isinstance(num_items_in_batch, Tensor)
     loss, z_loss, argmax, entropy = _VocabParallelLoss.apply(
         hidden.reshape(labels.numel(), hidden.shape[-1]),
         weight,
         bias,
         labels.reshape(-1),
         class_weight,
-        num_items_in_batch if as_tensor else None,
-        None if as_tensor or num_items_in_batch is None else float(num_items_in_batch),
+        *validation.num_items_operands(num_items_in_batch),
         shard,
         opts,
     )
