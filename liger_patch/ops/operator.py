@@ -74,11 +74,11 @@ def _budget_bytes(
     return budget.working_bytes(opts.memory_budget, labels.shape[0], hidden.nbytes, whole)
 
 
-def _start_head(opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u):
-    """``chunked.start_head`` for this forward: over the kept rows where the last call of this
-    shape skipped ignored ones and the budget does not depend on how many are kept, else over
-    every row."""
-    budget_all = _budget_bytes(opts, hidden, weight, labels, None)
+def _start_head(
+    opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u, budget_all
+):
+    """``chunked.start_head`` for this forward: over the kept rows where the last call of this shape
+    skipped some and the budget (``budget_all``: every row's) does not depend on how many."""
     skip = head_start.expects_skip((hidden.device, labels.shape[0], weight.shape[0]))
     if skip and _budget_bytes(opts, hidden, weight, labels, labels[:1]) != budget_all:
         return None
@@ -118,16 +118,18 @@ def flce(
     divisor = None if counted else loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
     backend = pick(opts.backend, hidden.device)
     precompute = _precompute(opts, hidden.dtype, needs)
-    started = start_label_check(labels, weight.shape[0], opts, divisor, num_items)
-    head, shape_key = None, (hidden.device, labels.shape[0], weight.shape[0])
+    vocab = weight.shape[0]
+    started = start_label_check(labels, vocab, opts, divisor, num_items)
+    head, shape_key, budget_bytes = None, (hidden.device, labels.shape[0], vocab), None
     if started is not None:  # queued now, computed while the host waits for the check below
+        budget_bytes = _budget_bytes(opts, hidden, weight, labels, None)  # walking every row
         head = _start_head(
-            opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u
+            opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u, budget_bytes
         )
-    labels, poison, kept_rows, n_kept = checked_labels(
-        labels, weight.shape[0], opts, divisor, num_items, started
-    )
+    labels, poison, kept_rows, n_kept = checked_labels(labels, vocab, opts, divisor, num_items, started)
     head_start.remember(shape_key, kept_rows is not None)
+    if budget_bytes is None or kept_rows is not None:
+        budget_bytes = _budget_bytes(opts, hidden, weight, labels, kept_rows)
     if poison is not None:  # a captured graph: bad labels became ignored ones
         keep = labels != opts.ignore_index
     if counted:
@@ -146,7 +148,7 @@ def flce(
             bias,
             labels,
             opts,
-            budget_bytes=_budget_bytes(opts, hidden, weight, labels, kept_rows),
+            budget_bytes=budget_bytes,
             coef_ce=row_weight if precompute else None,
             coef_z=row_weight if precompute else None,
             need_hidden=precompute and needs[0],

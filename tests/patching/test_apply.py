@@ -243,6 +243,12 @@ def test_an_instance_level_wrapper_keeps_running_on_the_fused_path():
     assert len(calls) == 2
 
 
+def _distinct_runs(values: list) -> list:
+    """``values`` with repeats in a row collapsed: a forward may resolve its budget more than once
+    (every row's before the label check, for ``ops/head_start.py``; the kept rows' after)."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
 def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     """apply_liger_to(memory_budget=...) is what the fused loss gets; liger_patched restores the
     previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time."""
@@ -267,7 +273,7 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "not a size")
     with pytest.raises(ValueError, match="LIGER_MEMORY_BUDGET"):
         model(**batch)
-    assert seen == ["lean", 4096, "lean", None]
+    assert _distinct_runs(seen) == ["lean", 4096, "lean", None]
 
 
 def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(monkeypatch):
@@ -291,7 +297,7 @@ def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(mon
     lp.apply_liger_to(model)
     model(**batch)
     hidden_bytes = batch["input_ids"].numel() * model.config.hidden_size * model.dtype.itemsize
-    assert seen == [("batch", hidden_bytes)]
+    assert _distinct_runs(seen) == [("batch", hidden_bytes)]
     assert wholes[0] > batch["input_ids"].numel() // 2 * model.config.vocab_size  # one chunk's logits
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", "lean")
     model(**batch)
