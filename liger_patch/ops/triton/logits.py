@@ -206,9 +206,11 @@ def logits_with_partials(
     interpret = env.triton_interpret()
     bm, bn, bk, stages, warps = _tiles(opts.tuning, interpret)
     tiles_n = triton.cdiv(vocab, bn)
-    pmax, psum, pz = partials if partials is not None else new_partials(rows, vocab, opts, h.device)
-    if pmax.shape != (rows, tiles_n) or not (pmax.is_contiguous() and psum.is_contiguous()):
-        raise ValueError(f"partials must be contiguous ({rows}, {tiles_n}); got {tuple(pmax.shape)}")
+    if partials is None:
+        partials = new_partials(rows, vocab, opts, h.device)
+    elif partials[0].shape != (rows, tiles_n) or not all(p.is_contiguous() for p in partials[:2]):
+        raise ValueError(f"partials must be contiguous ({rows}, {tiles_n}); got {tuple(partials[0].shape)}")
+    pmax, psum, pz = partials
     smoothing = opts.label_smoothing != 0.0
     n_tiles = triton.cdiv(rows, bm) * tiles_n
     if n_tiles == 0:
