@@ -2,7 +2,8 @@
 (``ops/head_start.py``): it is launched before the check's values are waited for, the chunk it
 begins is finished from the same buffers, and the op's results are bit for bit those without it,
 whether the call then walks every row (the head is used) or skips ignored ones (it is dropped).
-On CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
+On CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), in fp32 with
+16-row GEMM tiles; on CUDA in bf16 with 128-row tiles: row counts are given in tiles (``A``)."""
 
 import dataclasses
 import math
@@ -18,6 +19,13 @@ pytest.importorskip("liger_patch.ops.triton.logits")
 
 H, V = 16, 64
 ROW_FLOP = 2 * H * V  # logits GEMM flops of one row
+A = 128 if torch.cuda.is_available() else 16  # the fused GEMM's row tile (head_start's alignment)
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # what the fused GEMM takes
+
+
+def _case(gen, device, n: int, **kwargs):
+    kwargs.setdefault("dtype", DTYPE)
+    return make_case(gen, (n,), H, V, device=device, **kwargs)
 
 
 def _tuning(chunk: int, head_rows: int | None, skip_share: float = 0.05) -> Tuning:
@@ -34,7 +42,7 @@ def _run(case, tuning: Tuning, **opts):
             t.grad = None
     out = call_op(case, backend="triton", tuning=tuning, memory_budget=1 << 30, **opts)
     loss = out[0] if isinstance(out, tuple) else out
-    (loss * torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)).sum().backward()
+    (loss * torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).reshape(loss.shape)).sum().backward()
     grads = [t.grad.clone() for t in (case.hidden, case.weight, case.bias) if t is not None]
     return [t.detach().clone() for t in (out if isinstance(out, tuple) else (out,))], grads
 
@@ -75,75 +83,77 @@ def launches(monkeypatch):
     ids=["plain", "bias", "options"],
 )
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_bit_equal_to_the_op_without_it(gen, ignore, opts, reduction):
-    """Heads of 16 and 32 rows of 48-row chunks (the chunk finished by a second launch) and of a
-    whole chunk, against no head start: the same bits. 'first' ignores under 5 % of 50 rows (every
-    row walked), 'every_other' half of them (rows skipped: from the second call on, the head is
-    begun over the kept rows and used)."""
+def test_bit_equal_to_the_op_without_it(gen, device, ignore, opts, reduction):
+    """Heads of one and two row tiles of three-tile chunks (the chunk finished by a second launch)
+    and of a whole chunk, against no head start: the same bits. 'first' ignores under 5 % of the
+    rows (every row walked), 'every_other' half of them (rows skipped: from the second call on,
+    the head is begun over the kept rows and used)."""
     opts = dict(opts)
     bias = opts.pop("bias", False)
-    case = make_case(gen, (5, 10), H, V, bias=bias, ignore=ignore)
-    want = _run(case, _tuning(48, None), reduction=reduction, **opts)
-    for head in (16, 32, 48):
-        got = _run(case, _tuning(48, head), reduction=reduction, **opts)
+    case = _case(gen, device, 3 * A + 2, bias=bias, ignore=ignore)
+    want = _run(case, _tuning(3 * A, None), reduction=reduction, **opts)
+    for head in (A, 2 * A, 3 * A):
+        got = _run(case, _tuning(3 * A, head), reduction=reduction, **opts)
         for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
             assert torch.equal(a, b), (head, a, b)
 
 
-def test_launched_before_the_wait_and_finished_after(gen, launches):
-    case = make_case(gen, (51,), H, V, ignore="none")  # a shape of its own: no earlier call's record
-    _run(case, _tuning(48, 16))
-    assert launches == [("gemm", 16), ("wait",), ("gemm", 32), ("gemm", 3)], launches
+def test_launched_before_the_wait_and_finished_after(gen, device, launches):
+    case = _case(gen, device, 3 * A + 3, ignore="none")  # a shape of its own: no earlier call's record
+    _run(case, _tuning(3 * A, A))
+    assert launches == [("gemm", A), ("wait",), ("gemm", 2 * A), ("gemm", 3)], launches
 
 
-def test_no_launch_before_the_wait_when_off(gen, launches):
-    case = make_case(gen, (52,), H, V, ignore="none")
-    _run(case, _tuning(48, None))
-    assert launches == [("wait",), ("gemm", 48), ("gemm", 4)]
+def test_no_launch_before_the_wait_when_off(gen, device, launches):
+    case = _case(gen, device, 3 * A + 4, ignore="none")
+    _run(case, _tuning(3 * A, None))
+    assert launches == [("wait",), ("gemm", 3 * A), ("gemm", 4)]
 
 
-def test_follows_what_the_last_call_of_the_shape_did(gen, launches):
+def test_follows_what_the_last_call_of_the_shape_did(gen, device, launches):
     """Half the labels ignored. First call: begun over every row (no record yet), then dropped
     when the call skips rows. Second: begun over the first kept rows, gathered, and used. Then
     a call of the shape walking every row: begun over the kept rows, dropped; and the next
     begins over every row again."""
-    skipping = make_case(gen, (53,), H, V, ignore="every_other")
+    n = 3 * A + 5
+    skipping = _case(gen, device, n, ignore="every_other")
     n_kept = int((skipping.labels != -100).sum())
     for _ in range(2):
-        _run(skipping, _tuning(48, 16))
+        _run(skipping, _tuning(3 * A, A))
     assert launches == [
-        ("gemm", 16),
+        ("gemm", A),
         ("wait",),
         ("gemm", n_kept),
-        ("gemm", 16),
+        ("gemm", A),
         ("wait",),
-        ("gemm", n_kept - 16),
+        ("gemm", n_kept - A),
     ]
     launches.clear()
-    walking = dataclasses.replace(skipping, labels=torch.randint(0, V, (53,), generator=gen))
+    walking = dataclasses.replace(skipping, labels=torch.randint(0, V, (n,), generator=gen).to(device))
     for _ in range(2):
-        _run(walking, _tuning(48, 16))
+        _run(walking, _tuning(3 * A, A))
     assert launches == [
-        ("gemm", 16),
+        ("gemm", A),
         ("wait",),
-        ("gemm", 48),
+        ("gemm", 3 * A),
         ("gemm", 5),
-        ("gemm", 16),
+        ("gemm", A),
         ("wait",),
-        ("gemm", 32),
+        ("gemm", 2 * A),
         ("gemm", 5),
     ]
 
 
-def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, launches):
-    """The two-pass path and an autocast cast of the weight take no head start."""
-    case = make_case(gen, (50,), H, V, ignore="none")
-    two_pass = dataclasses.replace(_tuning(16, 16), two_pass=True)
+def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, device, launches):
+    """The two-pass path and an autocast cast of the weight (fp32 weights) take no head start."""
+    case = _case(gen, device, 3 * A + 2, ignore="none")
+    two_pass = dataclasses.replace(_tuning(A, A), two_pass=True)
     _run(case, two_pass)
     assert launches[0] == ("wait",), launches
     launches.clear()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _run(case, _tuning(48, 16))
+    wide = _case(gen, device, 3 * A + 2, ignore="none", dtype=torch.float32)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        _run(wide, _tuning(3 * A, A))
     assert launches[0] == ("wait",), launches
 
 
@@ -152,9 +162,10 @@ def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, launches)
     [(0, 48, 0), (1, 48, 16), (16, 48, 16), (17, 48, 32), (100, 48, 48), (5, 0, 0)],
 )
 def test_head_rows_in_whole_row_tiles(gflop_rows, first, want):
-    """Interpreted, the row tile is 16: rows for about the flops, rounded up to tiles, capped."""
-    gflop = gflop_rows * ROW_FLOP / 1e9
-    assert head_start.head_rows(gflop, H, V, first) == want
+    """Rows for about the flops, rounded up to whole row tiles, capped (in units of 1/16 tile)."""
+    scale = A // 16
+    gflop = gflop_rows * scale * ROW_FLOP / 1e9
+    assert head_start.head_rows(gflop, H, V, first * scale) == want * scale
 
 
 @pytest.mark.parametrize("value", [-1.0, math.inf, math.nan, True, "1"])
@@ -163,7 +174,7 @@ def test_tuning_refuses_a_bad_head_start(value):
         Tuning(head_start_gflop=value)
 
 
-def test_used_when_the_kept_rows_fit_one_unrounded_chunk(gen, monkeypatch):
+def test_used_when_the_kept_rows_fit_one_unrounded_chunk(gen, device, monkeypatch):
     """A plan over N rows rounds its chunk down to whole cuBLAS row tiles (512 of 600 here); one
     over the kept rows that all fit does not (budget.chunk_rows), so the first chunk over the kept
     rows can be longer than the rounded one: the head begun over the kept rows must hold it.
@@ -177,10 +188,12 @@ def test_used_when_the_kept_rows_fit_one_unrounded_chunk(gen, monkeypatch):
     )
     labels = torch.randint(0, V, (600,), generator=gen)
     labels[torch.randperm(600, generator=gen)[:70]] = -100  # 530 kept: skipped (over 5 %)
-    case = dataclasses.replace(make_case(gen, (600,), H, V), labels=labels)
+    case = dataclasses.replace(_case(gen, device, 600), labels=labels.to(device))
     tuning = Tuning(head_start_gflop=64 * ROW_FLOP / 1e9, min_token_chunk_rows=0)
     lengths = set()
-    for extra in range(150_000, 330_000, 12_000):
+    # A chunk row's bytes (logits, partials, gathered rows) are 400 in fp32, 200 in bf16.
+    for fp32_extra in range(150_000, 330_000, 12_000):
+        extra = fp32_extra * DTYPE.itemsize // 4
         budget = (2 << 20) + 40 * 600 + extra  # the slack and per-token vectors, then the chunk's
         for _ in range(2):  # the second call's head is begun over the kept rows
             begun.clear(), used.clear()
