@@ -27,15 +27,10 @@ from liger_patch.ops import budget, validation
 from liger_patch.ops import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
 from liger_patch.ops.backends import pick
 from liger_patch.ops.distillation_chunks import ChunkMath, Head, chunk_math, run_distill
-from liger_patch.ops.distillation_options import DistillOptions, check_logits_dtypes
+from liger_patch.ops.distillation_options import DistillOptions, check_logits_dtypes, grads_in_forward
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
 
 _F32 = torch.float32
-
-
-def _precompute(opts: DistillOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
-    """Whether the forward computes the gradients (see the module doc)."""
-    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -79,7 +74,7 @@ def fused_distill(
     )
     kept = None if n_kept == labels.shape[0] else torch.nonzero_static(keep, size=n_kept).view(-1)
     row_weight = row_weights(keep, opts.reduction, divisor)
-    precompute = _precompute(opts, student_hidden.dtype, needs)
+    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
     with torch.autocast(student_hidden.device.type, enabled=False):
         res = run_distill(
             Head(student_hidden, student_weight, student_bias),
@@ -114,7 +109,7 @@ def _fused_distill_fake(
     opts = DistillOptions.from_key(options)
     check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     n = labels.shape[0]
-    precompute = _precompute(opts, student_hidden.dtype, needs)
+    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
     grads = (
         t.new_empty(t.shape)
         if t is not None and precompute and need
@@ -184,7 +179,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(row_weight, grad_h, grad_w, grad_b)
     ctx.options, ctx.needs = options, needs
-    if _precompute(DistillOptions.from_key(options), sh.dtype, needs):
+    if grads_in_forward(DistillOptions.from_key(options), sh.dtype, needs):
         # Not saved tensors: the backward scales them in place (a retained graph's version check
         # would refuse that), and nothing else is kept.
         ctx.pre = (grad_h, grad_w, grad_b)

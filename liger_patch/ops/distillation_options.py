@@ -214,6 +214,14 @@ def build_distill_options(where: str = "fused_linear_distillation", **options: A
         return _build(options)
 
 
+def grads_in_forward(opts: DistillOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
+    """Whether a forward computes the student's gradients while its chunks are hot, leaving the
+    backward to multiply them by the one scalar upstream gradient: with reduction "mean" or
+    "sum", unless the student is fp16 (a GradScaler's factor must come before the rounding to
+    fp16) or nothing wants a gradient."""
+    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
+
+
 @functools.lru_cache(maxsize=256)
 def _build_cached(items: tuple) -> DistillOptions:
     return _build(dict(items))

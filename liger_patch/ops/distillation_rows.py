@@ -219,30 +219,63 @@ def shard_stats(a_s: Tensor, a_t: Tensor, label_col: Tensor, opts: DistillOption
 
 
 @torch.no_grad()
-def shard_divergence_sums(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
-    """(k, rows): this shard's part of the row sums of the divergence, from the log-probs ``ls``
-    and ``lt`` of its columns: [D] for beta 0 or 1, [KL(p_t || m), KL(p_s || m)] otherwise. Summed
+def shard_divergence_parts(
+    ls: Tensor, lt: Tensor, beta: float, want_grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """This shard's part of the rows' divergence sums, (k, rows) from the log-probs ``ls`` and
+    ``lt`` of its columns: [D] for beta 0 or 1, [KL(p_t || m), KL(p_s || m)] otherwise. Summed
     over shards they are the rows' (:func:`divergence_of_sums`); their last row is what the
-    gradient needs (:func:`shard_distill_grad`). Consumes ``ls`` and ``lt``."""
+    gradient subtracts. With ``want_grad`` also what the gradient is made of here, ``(terms,
+    p_s)`` for :func:`shard_divergence_grad` (forward KL's terms are its gradient, p_s None);
+    else ``(None, None)``. Consumes ``ls`` and ``lt``."""
     if beta == 0.0:
-        return _forward_kl_(ls, lt, False, beta)[0].unsqueeze(0)
+        d, g = _forward_kl_(ls, lt, want_grad, beta)
+        return d.unsqueeze(0), g, None
     if beta == 1.0:
-        return _reverse_kl_sum_(ls, lt)[0].unsqueeze(0)
-    return torch.stack(_jsd_sums_(ls, lt, beta)[:2])
+        d, ps, terms = _reverse_kl_sum_(ls, lt)
+        sums = d.unsqueeze(0)
+    else:
+        kl_t, kl_s, ps, terms = _jsd_sums_(ls, lt, beta)
+        sums = torch.stack([kl_t, kl_s])
+    return (sums, terms, ps) if want_grad else (sums, None, None)
 
 
 def divergence_of_sums(sums: Tensor, beta: float) -> Tensor:
-    """D per row from the rows' sums of :func:`shard_divergence_sums` (summed over shards)."""
+    """D per row from the rows' sums of :func:`shard_divergence_parts` (summed over shards)."""
     return sums[0] if sums.shape[0] == 1 else beta * sums[0] + (1.0 - beta) * sums[1]
 
 
-def _shard_cross_entropy_grad(ls: Tensor, label_col: Tensor, temperature: float, lse_q: Tensor) -> Tensor:
+def shard_cross_entropy_grad(ls: Tensor, label_col: Tensor, temperature: float, lse_q: Tensor) -> Tensor:
     """T (softmax(q) - onehot(y)) over these columns, q = T log p_s (as :func:`_cross_entropy`),
     with ``lse_q`` the rows' logsumexp of q over every shard. ``ls`` is kept."""
     g = (ls * temperature).sub_(lse_q.unsqueeze(-1)).exp_()
     here = label_col >= 0
     g.scatter_add_(-1, label_col.clamp_min(0).unsqueeze(-1), here.to(g.dtype).neg_().unsqueeze(-1))
     return g.mul_(temperature)
+
+
+@torch.no_grad()
+def shard_divergence_grad(
+    terms: Tensor,
+    ps: Tensor | None,
+    row_sum: Tensor,
+    g_ce: Tensor | None,
+    slope: Tensor | None,
+    opts: DistillOptions,
+    coef: Tensor,
+) -> Tensor:
+    """``coef_i * d loss_i / d x_i`` over these columns of the student's raw logits (``distill_rows``'
+    gradient for a shard) from :func:`shard_divergence_parts`' ``terms`` and ``ps``: ``row_sum`` is
+    the last row of the rows' divergence sums over every shard, ``g_ce`` the cross-entropy's
+    gradient here (:func:`shard_cross_entropy_grad`, with a ``ce_weight``). Consumes ``terms``."""
+    w, beta = opts.ce_weight, opts.beta
+    g = terms if ps is None else _less_row_sum_(terms, ps, row_sum)
+    if 0.0 < beta < 1.0:
+        g.mul_(1.0 - beta)
+    if w:
+        g.mul_(1.0 - w).add_(g_ce, alpha=w)
+    g.mul_(coef.unsqueeze(-1))
+    return _to_raw_logits_(g, slope, opts.student)
 
 
 @torch.no_grad()
@@ -256,23 +289,10 @@ def shard_distill_grad(
     opts: DistillOptions,
     coef: Tensor,
 ) -> Tensor:
-    """``coef_i * d loss_i / d x_i`` over these columns of the student's raw logits (``distill_rows``'
-    gradient for a shard): ``row_sum`` is the last row of the rows' :func:`shard_divergence_sums`
-    (over every shard), ``lse_q`` the rows' logsumexp of T log p_s (with a cross-entropy term),
-    ``label_col`` the label's column here or -1. Consumes ``ls`` and ``lt``."""
-    w, beta = opts.ce_weight, opts.beta
-    g_ce = _shard_cross_entropy_grad(ls, label_col, opts.temperature, lse_q) if w else None
-    if beta == 0.0:
-        g = _forward_kl_(ls, lt, True, beta)[1]
-    elif beta == 1.0:
-        _, ps, products = _reverse_kl_sum_(ls, lt)
-        g = _less_row_sum_(products, ps, row_sum)
-    else:
-        _, _, ps, products = _jsd_sums_(ls, lt, beta)
-        g = _less_row_sum_(products, ps, row_sum).mul_(1.0 - beta)
+    """:func:`shard_divergence_grad` from the log-probs of these columns: ``row_sum`` as there,
+    ``lse_q`` the rows' logsumexp of T log p_s (with a cross-entropy term), ``label_col`` the
+    label's column here or -1. Consumes ``ls`` and ``lt``."""
+    g_ce = shard_cross_entropy_grad(ls, label_col, opts.temperature, lse_q) if opts.ce_weight else None
+    _, terms, ps = shard_divergence_parts(ls, lt, opts.beta, want_grad=True)
     del ls, lt
-    if w:
-        g.mul_(1.0 - w).add_(g_ce, alpha=w)
-    del g_ce
-    g.mul_(coef.unsqueeze(-1))
-    return _to_raw_logits_(g, slope, opts.student)
+    return shard_divergence_grad(terms, ps, row_sum, g_ce, slope, opts, coef)

@@ -5,31 +5,34 @@ Each rank of a process group holds rows ``[offset, offset + V_r)`` of the studen
 weight and of the teacher's (V, H_t) (the same rows: ``VocabShard``, as a ``ColwiseParallel``
 head splits them), and the *same* hidden states and labels as the other ranks of its group. The
 loss and the student's gradients are exactly ``fused_linear_distillation``'s on the whole heads
-(docs/distillation.md has the math); the row math is ``distillation_rows``' own, its shard
-functions taking what a row needs from every shard, and each pass is the fused op's own chunk
-loop (``distillation_chunks.walk_chunks``) with this op's step, the collectives between passes:
+(docs/distillation.md has the math). The forward is one walk of the fused op's chunk loop
+(``distillation_chunks.walk_chunks``), every rank over the same chunks of the kept tokens, with
+the group's collectives on each chunk while it is hot (the row math per backend:
+``distillation_shard_math``):
 
-* forward, pass 1 (two logits GEMMs per kept token, in chunks): per row over the shard's columns,
-  the log-sum-exp of the student's and the teacher's logits at the temperature (and with
-  ``ce_weight``, of the student's final logits and its logit at the label when the label is in the
-  shard); one all-gather; every rank combines them into the rows' (the same bits on every rank);
-* forward, pass 2 (two more): with the rows' log-sum-exp the shard's log-probs are the rows' own
-  at its columns, so it sums its part of the divergence per row (``shard_divergence_sums``: D, or
-  KL(p_t || m) and KL(p_s || m)); one all-reduce gives the rows' sums and the loss
-  ``(1 - w) D + w ce``;
-* backward (four): both logits again, the gradient at the shard's columns from the rows' sums
-  (``shard_distill_grad``: KL(p_s || p_t) or KL(p_s || m) is what beta > 0 subtracts), then grad_W
-  and grad_b of the shard (complete) and the shard's part of grad_h, summed over the group (one
-  all-reduce, as the unpatched tensor-parallel head does).
+* both logits GEMMs over the shard's columns; per row, the log-sum-exp of the student's and the
+  teacher's logits at the temperature (and with ``ce_weight``, of the student's final logits and
+  its logit at the label when the label is in the shard); one all-gather; every rank combines
+  them into the rows' (the same bits on every rank);
+* with the rows' log-sum-exps the shard's log-probs are the rows' own at its columns, so it sums
+  its part of the divergence per row (D, or KL(p_t || m) and KL(p_s || m)); one all-reduce gives
+  the rows' sums and the loss ``(1 - w) D + w ce``;
+* with reduction "mean" or "sum" (one scalar upstream gradient) and a student not in fp16, as the
+  fused op: the gradient at the shard's columns from the rows' sums (KL(p_s || p_t) or
+  KL(p_s || m) is what beta > 0 subtracts), then the shard's grad_W and grad_b (complete) and
+  its part of grad_h, summed over the group after the walk (one all-reduce, as the unpatched
+  tensor-parallel head does); the backward multiplies them by the upstream gradient.
 
-Eight GEMMs per kept token against the unsharded op's four: the divergence of a row needs its
-log-sum-exp over every shard before any term can be summed, and its gradient the sums over every
-shard, so no pass can do the next one's work while its chunk is hot. Collectives per call, the
-same number whatever the chunking: the agreement all-reduce of ``vocab_parallel`` (the ranks agree
-on the tokens and the gradients wanted before anything that could hang; one host sync), one
-all-gather of 2 or 4 numbers per token, one all-reduce of 1 or 2, and the backward's grad_h.
-The teacher's tensors get no gradient; the backward reads them again (saved, or kept as they are
-when they are inference tensors). The PyTorch row math runs whatever the backend option says.
+Four GEMMs per kept token, as the unsharded op. Otherwise (reduction "none", fp16) the forward
+keeps each row's log-sum-exps and sums, and the backward walks again: both logits, the gradient
+with per-token coefficients, the two gradient GEMMs (six in all), and grad_h's all-reduce.
+
+Collectives: the agreement all-reduce of ``vocab_parallel`` (the ranks agree on the tokens, the
+gradients wanted and the widest shard, which sizes every rank's chunks alike, before anything that
+could hang; one host sync), then per chunk one all-gather of 2 or 4 numbers a token and one
+all-reduce of 1 or 2 (a shard without columns takes part with empty statistics), and grad_h's
+all-reduce. The teacher's tensors get no gradient; a recomputing backward reads them again
+(saved, or kept as they are when they are inference tensors).
 """
 
 from __future__ import annotations
@@ -45,25 +48,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops import budget, validation
+from liger_patch.ops import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
+from liger_patch.ops.backends import pick
 from liger_patch.ops.distillation import flat_operands
-from liger_patch.ops.distillation_chunks import (
-    ChunkMath,
-    Head,
-    Rows,
-    Side,
-    StudentGrads,
-    side_chunk,
-    torch_row_bytes,
-    walk_chunks,
-)
-from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
-from liger_patch.ops.distillation_rows import (
-    divergence_of_sums,
-    shard_distill_grad,
-    shard_divergence_sums,
-    shard_stats,
-    side_logits,
-)
+from liger_patch.ops.distillation_chunks import ChunkMath, Head, Rows, Side, StudentGrads, walk_chunks
+from liger_patch.ops.distillation_options import DistillOptions, build_distill_options, grads_in_forward
+from liger_patch.ops.distillation_rows import divergence_of_sums
+from liger_patch.ops.distillation_shard_math import TORCH, TRITON
 from liger_patch.ops.fused_linear_ce import autocast_inputs
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.vocab_parallel import (
@@ -81,7 +72,8 @@ _F32 = torch.float32
 @dataclass(frozen=True)
 class _ShardChunks:
     """Both sides' shards as the chunk GEMMs read them, and what every pass over their kept rows'
-    chunks shares (``distillation_chunks.walk_chunks``, the fused op's own loop)."""
+    chunks shares (``distillation_chunks.walk_chunks``, the fused op's own loop). ``widest``: the
+    group's widest shard, which sizes every rank's chunks alike."""
 
     student: Side
     teacher: Side
@@ -90,18 +82,23 @@ class _ShardChunks:
     shard: VocabShard
     opts: DistillOptions
     budget_bytes: int
+    widest: int
+    math: Any  # distillation_shard_math.TORCH or .TRITON
 
     @staticmethod
     def of(
-        student: tuple, teacher: tuple, labels: Tensor, kept: Tensor, shard: VocabShard, opts: DistillOptions
+        student: tuple,
+        teacher: tuple,
+        labels: Tensor,
+        kept: Tensor,
+        shard: VocabShard,
+        opts: DistillOptions,
+        widest: int,
     ) -> _ShardChunks:
         s, t = Side.of(Head(*student)), Side.of(Head(*teacher))
         working = budget.working_bytes(opts.memory_budget, s.hidden.shape[0], s.hidden.nbytes)
-        return _ShardChunks(s, t, labels, kept, shard, opts, working)
-
-    @property
-    def vocab_r(self) -> int:
-        return self.student.w.shape[0]
+        math = TORCH if pick(opts.backend, s.hidden.device).name == "torch" else TRITON
+        return _ShardChunks(s, t, labels, kept, shard, opts, working, widest, math)
 
     def walk(
         self,
@@ -110,21 +107,25 @@ class _ShardChunks:
         coef: Tensor | None = None,
         grads: StudentGrads | None = None,
     ) -> None:
-        """One pass of ``step`` over the chunks; none for a shard without columns. The chunks are
-        as large as the PyTorch row math's bytes allow: this op runs that math whatever the backend."""
-        if self.vocab_r:
-            walk_chunks(
-                ChunkMath(step=step, row_bytes=torch_row_bytes),
-                self.student,
-                self.teacher,
-                self.labels,
-                self.opts,
-                kept=self.kept,
-                coef=coef,
-                budget_bytes=self.budget_bytes,
-                values=values,
-                grads=grads,
-            )
+        """One pass of ``step`` over the chunks, the same chunks on every rank (a shard without
+        columns walks them too: the forward's step runs collectives), as large as the row math's
+        bytes allow at the group's widest shard."""
+
+        def row_bytes(_vocab: int, *rest: Any) -> int:
+            return self.math.row_bytes(self.widest, *rest)
+
+        walk_chunks(
+            ChunkMath(step=step, row_bytes=row_bytes),
+            self.student,
+            self.teacher,
+            self.labels,
+            self.opts,
+            kept=self.kept,
+            coef=coef,
+            budget_bytes=self.budget_bytes,
+            values=values,
+            grads=grads,
+        )
 
 
 def _label_cols(labels: Tensor, shard: VocabShard, vocab_r: int) -> Tensor:
@@ -133,91 +134,108 @@ def _label_cols(labels: Tensor, shard: VocabShard, vocab_r: int) -> Tensor:
     return torch.where((col >= 0) & (col < vocab_r), col, -1)
 
 
-def _stats_step(
-    shard: VocabShard, rows: Rows, student: Side, teacher: Side, labels: Tensor, _coef, opts: DistillOptions
-) -> tuple[Tensor, None, None]:
-    """Pass 1's chunk: per row over the shard's columns, ``shard_stats`` (rows, k)."""
-    a_s = side_chunk(rows, student, opts.student, side_logits)[1]
-    a_t = side_chunk(rows, teacher, opts.teacher, side_logits)[1]
-    cols = _label_cols(rows.take(labels), shard, student.w.shape[0])
-    return torch.stack(shard_stats(a_s, a_t, cols, opts), dim=1), None, None
-
-
-@torch.no_grad()
-def _combined_stats(chunks: _ShardChunks) -> dict:
-    """Pass 1: the rows' log-sum-exps (and the student's logit at the label), every shard's combined."""
-    opts, labels, shard = chunks.opts, chunks.labels, chunks.shard
-    k, n = (4 if opts.ce_weight else 2), labels.shape[0]
-    stats = torch.zeros(n, k, dtype=_F32, device=labels.device)
-    if chunks.vocab_r == 0:  # no columns: exp(lse_r) = 0, no label here
-        stats[:, : k - 1 if opts.ce_weight else k] = -torch.inf
-    chunks.walk(functools.partial(_stats_step, shard), values=stats)
-    g = all_gather_stats(stats.T, shard.group)
+def _combine(g: Tensor, opts: DistillOptions) -> dict:
+    """The rows' log-sum-exps (and cross-entropy) from every shard's ``shard_stats``, ``g`` (ranks,
+    k, rows): the same bits on every rank."""
     rows = {"lse_s": torch.logsumexp(g[:, 0], dim=0), "lse_t": torch.logsumexp(g[:, 1], dim=0)}
-    if opts.ce_weight:  # logsumexp(T log p_s) = logsumexp(z_s) - T lse_s, and the cross-entropy
-        lse_z = torch.logsumexp(g[:, 2], dim=0)
-        rows["lse_q"] = lse_z - opts.temperature * rows["lse_s"]
-        rows["ce"] = lse_z - g[:, 3].sum(dim=0)
+    if opts.ce_weight:  # z_s = T a_s: its log-sum-exp and the cross-entropy
+        rows["lse_z"] = torch.logsumexp(g[:, 2], dim=0)
+        rows["ce"] = rows["lse_z"] - g[:, 3].sum(dim=0)
     return rows
 
 
-def _log_probs(
-    rows: Rows, student: Side, teacher: Side, stats: dict, opts: DistillOptions, want_slope: bool = False
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """The shard's columns of both sides' log-probs (normalised by the whole rows), the student's
-    hidden rows and its softcap's slope."""
-    hs, a_s, slope = side_chunk(rows, student, opts.student, side_logits, want_slope)
-    a_t = side_chunk(rows, teacher, opts.teacher, side_logits)[1]
-    ls = a_s.sub_(rows.take(stats["lse_s"]).unsqueeze(-1))
-    return hs, ls, slope, a_t.sub_(rows.take(stats["lse_t"]).unsqueeze(-1))
+def _no_columns_stats(n: int, opts: DistillOptions, device: torch.device) -> Tensor:
+    """``shard_stats`` (k, n) of a shard without columns: exp(lse) = 0, no label here."""
+    k = 4 if opts.ce_weight else 2
+    stats = torch.full((k, n), -torch.inf, dtype=_F32, device=device)
+    if opts.ce_weight:
+        stats[3] = 0.0
+    return stats
 
 
-def _sums_step(
-    stats: dict, rows: Rows, student: Side, teacher: Side, _labels, _coef, opts: DistillOptions
-) -> tuple[Tensor, None, None]:
-    """Pass 2's chunk: the shard's part of the rows' divergence sums (rows, k)."""
-    _, ls, _, lt = _log_probs(rows, student, teacher, stats, opts)
-    return shard_divergence_sums(ls, lt, opts.beta).T, None, None
+def _forward_step(
+    shard: VocabShard,
+    math: Any,
+    rows: Rows,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    coef: Tensor | None,
+    opts: DistillOptions,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The forward's chunk, both collectives on it while it is hot: the shard's statistics,
+    all-gathered and combined into the rows' log-sum-exps; the shard's part of the divergence
+    sums, all-reduced; with ``coef`` the gradient at the shard's columns. Its values (rows, m):
+    the loss, lse_s, lse_t, (lse_z,) and the sum the gradient subtracts (``_value_columns``)."""
+    width, want_grad = student.w.shape[0], coef is not None
+    cols = _label_cols(rows.take(labels), shard, width)
+    chunk = math.open(rows, student, teacher, opts, want_grad) if width else None
+    local = math.stats(chunk, cols, opts) if width else _no_columns_stats(cols.shape[0], opts, labels.device)
+    stats = _combine(all_gather_stats(local, shard.group), opts)
+    if width:
+        sums = math.sums(chunk, stats, cols, opts, want_grad)
+    else:
+        k = 1 if opts.beta in (0.0, 1.0) else 2
+        sums = torch.zeros(k, cols.shape[0], dtype=_F32, device=labels.device)
+    dist.all_reduce(sums, group=shard.group)
+    d = divergence_of_sums(sums, opts.beta)
+    loss = d if not opts.ce_weight else (1.0 - opts.ce_weight) * d + opts.ce_weight * stats["ce"]
+    g = hs = None
+    if want_grad and width:
+        g, hs = math.grad(chunk, stats, sums[-1], cols, rows.take(coef), opts), chunk.hs
+    del chunk
+    lse_z = [stats["lse_z"]] if opts.ce_weight else []
+    return torch.stack([loss, stats["lse_s"], stats["lse_t"], *lse_z, sums[-1]], dim=1), g, hs
 
 
-@torch.no_grad()
-def _divergence_sums(chunks: _ShardChunks, stats: dict) -> Tensor:
-    """Pass 2: the rows' divergence sums (``shard_divergence_sums``), summed over every shard."""
-    k = 1 if chunks.opts.beta in (0.0, 1.0) else 2
-    sums = torch.zeros(chunks.labels.shape[0], k, dtype=_F32, device=chunks.labels.device)
-    chunks.walk(functools.partial(_sums_step, stats), values=sums)
-    sums = sums.T.contiguous()
-    dist.all_reduce(sums, group=chunks.shard.group)
-    return sums
+def _value_columns(opts: DistillOptions) -> int:
+    """Columns of ``_forward_step``'s values."""
+    return 5 if opts.ce_weight else 4
+
+
+def _values_stats(values: Tensor, opts: DistillOptions) -> dict:
+    """The rows' log-sum-exps the forward kept (columns of ``_forward_step``'s values)."""
+    stats = {"lse_s": values[:, 1], "lse_t": values[:, 2]}
+    if opts.ce_weight:
+        stats["lse_z"] = values[:, 3]
+    return stats
 
 
 def _grad_step(
     shard: VocabShard,
-    stats: dict,
-    row_sum: Tensor,
+    math: Any,
+    values: Tensor,
     rows: Rows,
     student: Side,
     teacher: Side,
     labels: Tensor,
     coef: Tensor,
     opts: DistillOptions,
-) -> tuple[None, Tensor, Tensor]:
-    """The backward's chunk: the gradient at the shard's columns from the rows' sums."""
-    hs, ls, slope, lt = _log_probs(rows, student, teacher, stats, opts, want_slope=True)
-    cols = _label_cols(rows.take(labels), shard, student.w.shape[0])
-    lse_q = rows.take(stats["lse_q"]) if opts.ce_weight else None
-    g = shard_distill_grad(ls, lt, slope, cols, rows.take(row_sum), lse_q, opts, rows.take(coef))
-    return None, g, hs
+) -> tuple[None, Tensor | None, Tensor | None]:
+    """The recomputing backward's chunk: the gradient at the shard's columns from the rows'
+    log-sum-exps and sums the forward kept (none for a shard without columns). The divergence
+    sums are computed again (their parts make the gradient); the kept ones are used."""
+    width = student.w.shape[0]
+    if not width:
+        return None, None, None
+    chunk_values = rows.take(values)
+    stats = _values_stats(chunk_values, opts)
+    cols = _label_cols(rows.take(labels), shard, width)
+    chunk = math.open(rows, student, teacher, opts, True)
+    if math is TORCH:  # its gradient's parts come with the sums
+        math.sums(chunk, stats, cols, opts, True)
+    g = math.grad(chunk, stats, chunk_values[:, -1], cols, rows.take(coef), opts)
+    return None, g, chunk.hs
 
 
 @torch.no_grad()
-def _shard_grads(
-    chunks: _ShardChunks, student: Head, stats: dict, row_sum: Tensor, coef: Tensor, needs: tuple
-) -> tuple:
-    """The backward: this rank's part of grad_h and its shard's grad_W and grad_b (see the module doc)."""
+def _walk_grads(chunks: _ShardChunks, student: Head, needs: tuple, step: Callable, **walk: Any) -> tuple:
+    """A pass that sums the student's gradients: this rank's part of grad_h, summed over the
+    group (one all-reduce, as the unpatched tensor-parallel head does), and its shard's grad_W and
+    grad_b (complete); ``None`` where not asked for, else in the inputs' dtypes."""
     grads = StudentGrads(student, chunks.student.w, needs, chunks.kept, in_fp32=True)
-    chunks.walk(functools.partial(_grad_step, chunks.shard, stats, row_sum), coef=coef, grads=grads)
-    if grads.grad_hidden is not None:  # every shard's part of d loss / d hidden
+    chunks.walk(step, grads=grads, **walk)
+    if grads.grad_hidden is not None:
         dist.all_reduce(grads.grad_hidden, group=chunks.shard.group)
     return grads.finish(student)
 
@@ -231,36 +249,58 @@ class _VocabParallelDistill(torch.autograd.Function):
         keep = labels != opts.ignore_index
         divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
         needs = list(ctx.needs_input_grad[:3])
-        check_ranks_agree(labels, shard, opts.student, divisor if num_items is not None else None, needs)
+        user_divisor = divisor if num_items is not None else None
+        (widest,) = check_ranks_agree(labels, shard, opts.student, user_divisor, needs, (sw.shape[0],))
         kept = keep.nonzero().view(-1)
+        row_weight = row_weights(keep, opts.reduction, divisor)
+        precompute = grads_in_forward(opts, sh.dtype, needs)
+        values = torch.zeros(labels.shape[0], _value_columns(opts), dtype=_F32, device=labels.device)
         with torch.autocast(sh.device.type, enabled=False):
-            chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts)
-            stats = _combined_stats(chunks)
-            sums = _divergence_sums(chunks, stats)
-        d = divergence_of_sums(sums, opts.beta)
-        rows = d if not opts.ce_weight else (1.0 - opts.ce_weight) * d + opts.ce_weight * stats["ce"]
-        rows = torch.where(keep, rows, 0.0)
+            chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts, widest)
+            step = functools.partial(_forward_step, shard, chunks.math)
+            if precompute:
+                student = Head(sh, sw, sb)
+                ctx.pre = _walk_grads(chunks, student, needs, step, values=values, coef=row_weight)
+            else:
+                chunks.walk(step, values=values)
+                ctx.pre = None
         ctx.set_materialize_grads(False)
+        ctx.needs, ctx.opts_key = needs, opts.student.key
+        if precompute:  # nothing else kept: a second backward is refused
+            return reduce_rows(values[:, 0].contiguous(), opts.reduction, divisor)
         # The teacher's tensors get no gradient; inference tensors cannot be saved: kept as attributes.
         teacher = (th, tw, tb)
         inference = [t is not None and t.is_inference() for t in teacher]
         ctx.teacher_inference = tuple(t if inf else None for t, inf in zip(teacher, inference, strict=True))
         saved_teacher = (None if inf else t for t, inf in zip(teacher, inference, strict=True))
-        row_weight = row_weights(keep, opts.reduction, divisor)
-        ctx.save_for_backward(sh, sw, sb, labels, row_weight, sums[-1], *saved_teacher)
-        ctx.stats, ctx.kept, ctx.shard, ctx.opts = stats, kept, shard, opts
-        return reduce_rows(rows, opts.reduction, divisor)
+        ctx.save_for_backward(sh, sw, sb, labels, row_weight, values, *saved_teacher)
+        ctx.kept, ctx.shard, ctx.opts, ctx.widest = kept, shard, opts, widest
+        return reduce_rows(values[:, 0].contiguous(), opts.reduction, divisor)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        sh, sw, sb, labels, row_weight, row_sum, *saved = ctx.saved_tensors
+        if ctx.pre is not None:
+            pre, ctx.pre, ctx.spent = ctx.pre, None, True
+            grads = [g for g in pre if g is not None]
+            scale = grad_loss if grad_loss is not None else torch.zeros((), device=grads[0].device)
+            torch.ops.liger_patch.scale_grads_(grads, scale.float(), ctx.opts_key)
+            return (*pre, *(None,) * 8)
+        if getattr(ctx, "spent", False):
+            raise RuntimeError(
+                "vocab_parallel_distillation computed its gradients in the forward and kept nothing else; a "
+                "second backward over a retained graph needs reduction='none' (which recomputes them)"
+            )
+        if not any(ctx.needs):
+            return (None,) * 11
+        sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
         teacher = tuple(t if t is not None else i for t, i in zip(saved, ctx.teacher_inference, strict=True))
-        needs = ctx.needs_input_grad[:3]
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
+        opts = ctx.opts
         with torch.autocast(sh.device.type, enabled=False):
-            chunks = _ShardChunks.of((sh, sw, sb), teacher, labels, ctx.kept, ctx.shard, ctx.opts)
-            grads = _shard_grads(chunks, Head(sh, sw, sb), ctx.stats, row_sum, coef, needs)
+            chunks = _ShardChunks.of((sh, sw, sb), teacher, labels, ctx.kept, ctx.shard, opts, ctx.widest)
+            step = functools.partial(_grad_step, ctx.shard, chunks.math, values)
+            grads = _walk_grads(chunks, Head(sh, sw, sb), ctx.needs, step, coef=coef)
         return (*grads, *(None,) * 8)
 
 

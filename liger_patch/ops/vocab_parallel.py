@@ -114,9 +114,17 @@ def shard_backend(base: Backend, shard: VocabShard) -> Backend:
     return dataclasses.replace(base, row_kernel=row_kernel, fused_logits=None)
 
 
-def _flags(labels: Tensor, vocab: int, opts: LossOptions, user_divisor: Tensor | None, needs: list[bool]):
-    """This rank's ``[bad label, bad divisor, *same, *(-same)]`` (int64), ``same`` being what every
-    rank of the group must agree on: the token count, the labels' sum, the gradients wanted."""
+def _flags(
+    labels: Tensor,
+    vocab: int,
+    opts: LossOptions,
+    user_divisor: Tensor | None,
+    needs: list[bool],
+    maxima: tuple[int, ...],
+):
+    """This rank's ``[*maxima, bad label, bad divisor, *same, *(-same)]`` (int64), ``same`` being
+    what every rank of the group must agree on: the token count, the labels' sum, the gradients
+    wanted."""
     device = labels.device
     keep = labels != opts.ignore_index
     bad_label = (keep & ((labels < 0) | (labels >= vocab))).any()
@@ -125,21 +133,30 @@ def _flags(labels: Tensor, vocab: int, opts: LossOptions, user_divisor: Tensor |
         bad_divisor = ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     same = torch.stack([torch.tensor(labels.shape[0], device=device), labels.sum()])
     same = torch.cat([same, torch.tensor([int(x) for x in needs], device=device)])
-    return torch.cat([torch.stack([bad_label, bad_divisor]).long(), same, -same])
+    flags = torch.stack([bad_label, bad_divisor]).long()
+    return torch.cat([torch.tensor(maxima, dtype=torch.long, device=device), flags, same, -same])
 
 
 def check_ranks_agree(
-    labels: Tensor, shard: VocabShard, opts: LossOptions, user_divisor: Tensor | None, needs: list[bool]
-) -> None:
+    labels: Tensor,
+    shard: VocabShard,
+    opts: LossOptions,
+    user_divisor: Tensor | None,
+    needs: list[bool],
+    maxima: tuple[int, ...] = (),
+) -> list[int]:
     """Raise on every rank of the group, never on some only (the others would wait in the next
     collective): for a label outside [0, V) (IndexError, as ``validation.check_values``), a bad
     ``num_items_in_batch`` tensor (ValueError), or ranks that passed different tokens (count or
     labels) or want different gradients (ValueError). One all-reduce (max) of a few integers and
-    one host sync: the values that must agree travel as v and -v, so max(-v) = -min(v)."""
-    flags = _flags(labels, shard.vocab, opts, user_divisor, needs)
+    one host sync: the values that must agree travel as v and -v, so max(-v) = -min(v). Returns
+    the group's largest value of each of this rank's ``maxima`` (what every rank must size alike,
+    such as the chunks of a pass with a collective per chunk)."""
+    flags = _flags(labels, shard.vocab, opts, user_divisor, needs, maxima)
     reduced = flags.clone()
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=shard.group)
     mine, group = torch.stack([flags, reduced]).tolist()
+    agreed, mine, group = group[: len(maxima)], mine[len(maxima) :], group[len(maxima) :]
     if mine[0] or mine[1]:
         validation.check_values(labels, shard.vocab, opts.ignore_index, user_divisor)  # raises, saying which
     if group[0]:
@@ -158,6 +175,7 @@ def check_ranks_agree(
             f"different gradients (here {labels.shape[0]} tokens): every rank of a tensor-parallel group "
             "must compute the loss of the same tokens"
         )
+    return agreed
 
 
 def all_gather_stats(stats: Tensor, group: Any) -> Tensor:

@@ -54,12 +54,27 @@ CASES: dict[str, dict] = {
     "all_ignored": dict(ignore="all", bias=True, opts=ALL_MATH),
     "empty_batch": dict(lead=(0,), bias=True, opts=ALL_MATH),
     "chunks": dict(bias=True, opts=dict(ALL_MATH, memory_budget=2**21 + 80_000)),  # 5 rows a chunk
+    # 21120 working bytes: 4 rows of the 501-column shard, 5 of the 500-column one (4232 and 4224
+    # bytes a row, the Triton row math's); both walk 4
+    "uneven_chunks": dict(opts=dict(beta=0.5, ce_weight=0.3, memory_budget=2**21 + 21_960)),
     "empty_shard": dict(vocab=1, bias=True, opts=dict(ALL_MATH, ce_weight=0.5)),
     "hidden_grad_only": dict(student_grad=("hidden",), opts=dict(beta=0.5, ce_weight=0.5)),
     "weight_grad_only": dict(student_grad=("weight", "bias"), bias=True, opts=dict(beta=1.0)),
     "inference_teacher": dict(inference_teacher=True, opts=dict(beta=0.5, reduction="none")),
     "bf16": dict(dtype=torch.bfloat16, bias=True, opts=dict(beta=0.5, ce_weight=0.3)),
     "autocast": dict(autocast=True, opts=dict(beta=0.5, ce_weight=0.3)),
+    # the PyTorch row math (the cases above run the default backend: Triton, interpreted on the CPU)
+    "torch_math": dict(backend="torch", bias=True, opts=ALL_MATH),
+    "torch_math_none": dict(backend="torch", bias=True, opts=dict(ALL_MATH, reduction="none")),
+    "torch_math_forward_kl": dict(backend="torch", opts=dict(beta=0.0, ce_weight=0.5, temperature=0.5)),
+    "torch_math_reverse_kl": dict(backend="torch", opts=dict(beta=1.0, student_softcap=3.0)),
+    "torch_math_bf16": dict(
+        backend="torch", dtype=torch.bfloat16, bias=True, opts=dict(beta=0.5, ce_weight=0.3)
+    ),
+    # 14252 and 14224 bytes a row (the PyTorch row math's): 4 and 5 rows of 71120
+    "torch_math_uneven_chunks": dict(
+        backend="torch", opts=dict(beta=0.5, ce_weight=0.3, memory_budget=2**21 + 71_960)
+    ),
 }
 
 
@@ -122,12 +137,12 @@ def _run(fn, case: dict, spec: dict, rows: slice | None) -> dict:
     return {"loss": loss.detach(), "grads": {n: found.get(n) for n in leaves}}
 
 
-def run_case(name: str, spec: dict, device: str = "cpu", backend: str = "torch") -> dict:
-    """This rank's sharded and unsharded results for one case, its tensors on ``device``, the
-    whole op on ``backend`` (benchmarks/distill_dist_gpu.py: CUDA and the default backend)."""
+def run_case(name: str, spec: dict, device: str = "cpu", backend: str = "auto") -> dict:
+    """This rank's sharded and unsharded results for one case, its tensors on ``device``, both
+    ops on the case's backend, else ``backend``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case = {k: v.to(device) if torch.is_tensor(v) else v for k, v in build_case(name, spec).items()}
-    opts = dict(spec["opts"], ignore_index=case["ignore_index"], backend=backend)
+    opts = dict(spec["opts"], ignore_index=case["ignore_index"], backend=spec.get("backend", backend))
     offset, rows = shard_rows(case["sw"].shape[0], rank, world)
     part = slice(offset, offset + rows)
     shard = VocabShard(offset, case["sw"].shape[0], dist.group.WORLD)
@@ -172,7 +187,11 @@ def run_errors() -> dict:
     sh, th, labels = case["sh"], case["th"], case["labels"]
     bad = labels.clone()
     bad.view(-1)[0] = V if rank == 1 else 0  # out of range on one rank only
+    hidden = sh.clone().requires_grad_()
+    loss = vocab_parallel_distillation(hidden, case["sw"][part], th, case["tw"][part], labels, shard=shard)
+    loss.backward(retain_graph=True)  # "mean": the gradients came from the forward
     return {
+        "second_backward": _raised(loss.backward),
         "rows_mismatch": _raised(
             lambda: vocab_parallel_distillation(sh, case["sw"][part], th, case["tw"][:3], labels, shard=shard)
         ),

@@ -86,4 +86,8 @@ def test_refused_inputs_raise_on_every_rank_and_the_group_keeps_working(results)
         errors = result["errors"]
         assert errors["rows_mismatch"].startswith("ValueError") and "same rows" in errors["rows_mismatch"]
         assert errors["bad_label_one_rank"].startswith("IndexError"), errors
+        assert (
+            errors["second_backward"].startswith("RuntimeError")
+            and "reduction='none'" in errors["second_backward"]
+        ), errors
         assert errors["then_works"] > 0
