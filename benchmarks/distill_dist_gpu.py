@@ -711,8 +711,37 @@ def stand_in_steps(run: Run, trainer_name: str, build: Callable, teacher, batche
     }  # fmt: skip
 
 
+def leftovers(limit: int = 6) -> list[str]:
+    """The largest CUDA tensors still alive after a run (after a collection), each with the chain
+    of what holds it (up to three referrers up, by type): what a run failed to let go of."""
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    tensors.sort(key=lambda t: -t.untyped_storage().nbytes())
+    out, seen = [], set()
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        chain, obj = [], t
+        for _ in range(3):
+            refs = [r for r in gc.get_referrers(obj) if r is not tensors and type(r).__name__ != "frame"]
+            if not refs:
+                break
+            obj = refs[0]
+            owner = [o for o in gc.get_referrers(obj) if getattr(o, "__dict__", None) is obj]
+            chain.append(type(owner[0]).__name__ + ".__dict__" if owner else type(obj).__name__)
+        mib = t.untyped_storage().nbytes() / 2**20
+        out.append(f"{mib:.0f} MiB {t.dtype} {tuple(t.shape)} <- {' <- '.join(chain)}")
+        if len(out) == limit:
+            break
+    return out
+
+
 def size_record(run: Run, scenario: str, trainer: str, patched: bool, measure: Callable) -> None:
-    """One size run: ``measure()``'s figures, what ran (or the error), kept in ``run.sizes``."""
+    """One size run: ``measure()``'s figures, what ran (or the error), kept in ``run.sizes``;
+    and what the run left allocated (with the largest tensors it left, when that is over 0.5 GiB
+    more than it found: a later run's peak includes them)."""
     run.counts.take(), run.ops.take()
     record = {"scenario": scenario, "trainer": trainer, "variant": "patched" if patched else "unpatched"}
     started = time.perf_counter()
@@ -724,6 +753,10 @@ def size_record(run: Run, scenario: str, trainer: str, patched: bool, measure: C
         print(f"rank {dist.get_rank()}: size {scenario} {trainer} failed:\n{record['traceback']}", flush=True)
     record["seconds"] = round(time.perf_counter() - started, 2)
     free_memory()
+    if run.cuda and "allocated_at_start_gib" in record:
+        record["allocated_after_gib"] = torch.cuda.memory_allocated() / GiB
+        if record["allocated_after_gib"] > record["allocated_at_start_gib"] + 0.5:
+            record["left_behind"] = leftovers()
     run.sizes.append(record)
     ms = "error" if "error" in record else f"{record['median_step_ms']:.1f} ms"
     log(f"  size {scenario} {trainer} {record['variant']}: {ms} ({record['seconds']} s)")
@@ -944,19 +977,25 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['scenario']} | {r['dtype']} | {errs} | {'yes' if r['passed'] else '**NO**'} |")
     lines += [
         "",
-        f"Size ({results['size_shapes']['dtype']}): peak allocated per rank over the timed steps, "
-        "median step (rank 0), first loss",
+        f"Size ({results['size_shapes']['dtype']}): peak allocated per rank over the timed steps, and "
+        "that peak above what the run found allocated (what an earlier run left behind counts in the "
+        "first, not in the second), median step (rank 0), first loss",
         "",
-        "| scenario | trainer | variant | step ms | peak GiB per rank | first loss |",
-        "|---|---|---|---|---|---|",
+        "| scenario | trainer | variant | step ms | peak GiB per rank | above start | first loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results["size"]:
         head = f"| {r['scenario']} | {r['trainer']} | {r['variant']} |"
         if "error" in r:
-            lines.append(f"{head} error: {r['error'][:100]} | | |")
+            lines.append(f"{head} error: {r['error'][:100]} | | | |")
             continue
         peaks = ", ".join("n/a" if p is None else f"{p:.2f}" for p in r["peak_allocated_gib_per_rank"])
-        lines.append(f"{head} {r['median_step_ms']:.1f} | {peaks} | {r['first_loss']:.6f} |")
+        starts = r.get("allocated_at_start_gib_per_rank") or [None] * len(r["peak_allocated_gib_per_rank"])
+        above = ", ".join(
+            "n/a" if p is None or a is None else f"{p - a:.2f}"
+            for p, a in zip(r["peak_allocated_gib_per_rank"], starts, strict=True)
+        )
+        lines.append(f"{head} {r['median_step_ms']:.1f} | {peaks} | {above} | {r['first_loss']:.6f} |")
     checks = (
         f"{c['scenario']} {c['trainer']} {'ok' if c['passed'] else 'FAILED'}" for c in results["size_checks"]
     )
