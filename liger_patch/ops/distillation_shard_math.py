@@ -10,7 +10,7 @@ between its steps:
 4. ``grad``: with the rows' sums, ``coef * d loss / d x_s`` at these columns.
 
 ``TORCH`` keeps fp32 final logits and works in place on them (``distillation_rows``' shard
-functions; ``ROW_BUFFERS`` fp32 rows of V_r at its peak); ``TRITON`` keeps the logits as the
+functions; ``ROW_BUFFERS`` fp32 rows of V_r at its peak); ``TritonMath`` keeps the logits as the
 single-GPU Triton path stores them (the hidden states' dtype, or ``logits_dtype``) and runs one
 row kernel per step (``triton/distill_shard.py``), the gradient written over the student's logits.
 A chunk's state lives in a ``ShardChunk``, released by the caller once its gradient is used.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from liger_patch.ops.backends import Backend, FusedLogits
 from liger_patch.ops.distillation_chunks import Rows, Side, side_chunk, torch_row_bytes
 from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.distillation_rows import (
@@ -32,7 +33,8 @@ from liger_patch.ops.distillation_rows import (
     shard_stats,
     side_logits,
 )
-from liger_patch.ops.gemm import gemm_logits, grad_view
+from liger_patch.ops.distillation_triton import fused_logits_for
+from liger_patch.ops.gemm import chunk_logits, grad_view
 
 _F32 = torch.float32
 
@@ -41,12 +43,13 @@ _F32 = torch.float32
 class ShardChunk:
     """One chunk's buffers over the shard's columns: the student's hidden rows (``hs``), both
     sides' logits (``s``, ``t``: fp32 final logits for ``TORCH``, raw logits as stored for
-    ``TRITON``), the student's softcap slope (``TORCH``), and what ``sums`` leaves for ``grad``."""
+    ``TritonMath``), the student's softcap slope (``TORCH``), and what ``sums`` leaves for ``grad``."""
 
     hs: Tensor
     s: Tensor
     t: Tensor
     slope: Tensor | None = None
+    partials: tuple | None = None  # both sides' (pmax, psum) from the fused logits GEMM
     g_ce: Tensor | None = None
     terms: Tensor | None = None
     ps: Tensor | None = None
@@ -105,22 +108,43 @@ class _TorchMath:
         return torch_row_bytes(vocab, student, teacher, opts, want_grad, gathers)
 
 
-class _TritonMath:
-    """Logits as stored, one row kernel per step (``triton/distill_shard.py``)."""
+class TritonMath:
+    """Logits as stored, one row kernel per step (``triton/distill_shard.py``). Without a
+    cross-entropy term, both logits chunks come through the backend's fused logits GEMM where
+    it takes them (as the whole op's: ``distillation_triton.fused_logits_for``), and the shard's
+    log-sum-exps from its partials, so the statistics need no pass over the chunks."""
 
     name = "triton"
 
-    @staticmethod
-    def open(rows: Rows, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool) -> ShardChunk:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def _fused(self, opts: DistillOptions) -> FusedLogits | None:
+        return None if opts.ce_weight else fused_logits_for(self.backend, opts)
+
+    def open(
+        self, rows: Rows, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool
+    ) -> ShardChunk:
         hs = rows.take(student.hidden).to(student.w.dtype)
         ht = rows.take(teacher.hidden).to(teacher.w.dtype)
-        xt = gemm_logits(ht, teacher.w, teacher.b, opts.logits_dtype_for(teacher.hidden.dtype))
+        s_dtype = opts.logits_dtype_for(student.hidden.dtype)
+        t_dtype = opts.logits_dtype_for(teacher.hidden.dtype)
+        fused, tuning = self._fused(opts), opts.student.tuning
+        both = (
+            fused is not None
+            and fused.supported(hs, student.w, s_dtype, tuning)
+            and fused.supported(ht, teacher.w, t_dtype, tuning)
+        )
+        via = self.backend if both else None  # partials for both sides or for neither
+        xt, t_parts = chunk_logits(ht, teacher.w, teacher.b, opts.teacher, t_dtype, None, via)
         del ht
-        xs = gemm_logits(hs, student.w, student.b, opts.logits_dtype_for(student.hidden.dtype))
-        return ShardChunk(hs, xs, xt)
+        xs, s_parts = chunk_logits(hs, student.w, student.b, opts.student, s_dtype, None, via)
+        return ShardChunk(hs, xs, xt, partials=(s_parts[:2], t_parts[:2]) if both else None)
 
     @staticmethod
     def stats(chunk: ShardChunk, label_cols: Tensor, opts: DistillOptions) -> Tensor:
+        if chunk.partials is not None:  # each side's log-sum-exp over its tiles' (max, sum)
+            return torch.stack([torch.logsumexp(pmax + psum.log(), dim=1) for pmax, psum in chunk.partials])
         from liger_patch.ops.triton.distill_shard import shard_stats_triton
 
         return shard_stats_triton(chunk.s, chunk.t, label_cols, opts)
@@ -131,6 +155,7 @@ class _TritonMath:
     ) -> Tensor:
         from liger_patch.ops.triton.distill_shard import shard_sums_triton
 
+        chunk.partials = None
         return shard_sums_triton(chunk.s, chunk.t, stats["lse_s"], stats["lse_t"], opts)
 
     @staticmethod
@@ -149,21 +174,21 @@ class _TritonMath:
         chunk.s = chunk.t = None
         return g
 
-    @staticmethod
     def row_bytes(
-        vocab: int, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool, gathers: bool
-    ):
-        """Both logits chunks, a gradient buffer where it is wider than the student's logits (the
-        CPU's fp32 GEMMs), the hidden rows the chunk copies and grad_h's rows."""
+        self, vocab: int, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool, gathers: bool
+    ) -> int:
+        """Both logits chunks and their partials, a gradient buffer where it is wider than the
+        student's logits (the CPU's fp32 GEMMs), the hidden rows the chunk copies and grad_h's rows."""
         s_bytes = opts.logits_dtype_for(student.hidden.dtype).itemsize
         t_bytes = opts.logits_dtype_for(teacher.hidden.dtype).itemsize
+        fused = self._fused(opts)
+        parts = 0 if fused is None else 2 * fused.partial_bytes_per_row(vocab, opts.student)
         g_width = student.w.element_size()
         grad = vocab * g_width if want_grad and g_width > s_bytes else 0
         hidden = (2 * student.hidden.shape[1] + teacher.hidden.shape[1]) * max(
             g_width, teacher.w.element_size()
         )
-        return vocab * (s_bytes + t_bytes) + grad + hidden
+        return vocab * (s_bytes + t_bytes) + parts + grad + hidden
 
 
 TORCH = _TorchMath()
-TRITON = _TritonMath()

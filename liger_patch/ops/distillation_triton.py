@@ -31,7 +31,7 @@ from liger_patch.ops.gemm import chunk_logits, grad_view
 from liger_patch.ops.triton.distill import distill_rows_triton
 
 
-def _fused(backend: Backend, opts: DistillOptions) -> FusedLogits | None:
+def fused_logits_for(backend: Backend, opts: DistillOptions) -> FusedLogits | None:
     """The fused logits GEMM this call may use: the backend's, unless the tuning turns it off,
     the divergence is reverse KL or the logits are asked for in fp32."""
     if opts.beta == 1.0 or not opts.student.tuning.fused_logits or opts.logits_dtype == torch.float32:
@@ -53,7 +53,7 @@ def _step(
     ht = rows.take(teacher.hidden).to(teacher.w.dtype)
     s_dtype = opts.logits_dtype_for(student.hidden.dtype)  # the logits' dtypes
     t_dtype = opts.logits_dtype_for(teacher.hidden.dtype)
-    fused = _fused(backend, opts)
+    fused = fused_logits_for(backend, opts)
     tuning = opts.student.tuning
     both = (
         fused is not None
@@ -88,7 +88,7 @@ def _row_bytes(
     Logits take their stored width (``opts.logits_dtype``: 4 bytes for fp32)."""
     s_bytes = opts.logits_dtype_for(student.hidden.dtype).itemsize
     s_logit, t_logit = vocab * s_bytes, vocab * opts.logits_dtype_for(teacher.hidden.dtype).itemsize
-    fused = _fused(backend, opts)
+    fused = fused_logits_for(backend, opts)
     part = 0 if fused is None else fused.partial_bytes_per_row(vocab, opts.student)
     s_width = student.hidden.shape[1] * student.w.element_size()
 

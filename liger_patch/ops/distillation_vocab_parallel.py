@@ -54,7 +54,7 @@ from liger_patch.ops.distillation import flat_operands
 from liger_patch.ops.distillation_chunks import ChunkMath, Head, Rows, Side, StudentGrads, walk_chunks
 from liger_patch.ops.distillation_options import DistillOptions, build_distill_options, grads_in_forward
 from liger_patch.ops.distillation_rows import divergence_of_sums
-from liger_patch.ops.distillation_shard_math import TORCH, TRITON
+from liger_patch.ops.distillation_shard_math import TORCH, TritonMath
 from liger_patch.ops.fused_linear_ce import autocast_inputs
 from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.vocab_parallel import (
@@ -83,7 +83,7 @@ class _ShardChunks:
     opts: DistillOptions
     budget_bytes: int
     widest: int
-    math: Any  # distillation_shard_math.TORCH or .TRITON
+    math: Any  # distillation_shard_math.TORCH or a TritonMath
 
     @staticmethod
     def of(
@@ -97,7 +97,8 @@ class _ShardChunks:
     ) -> _ShardChunks:
         s, t = Side.of(Head(*student)), Side.of(Head(*teacher))
         working = budget.working_bytes(opts.memory_budget, s.hidden.shape[0], s.hidden.nbytes)
-        math = TORCH if pick(opts.backend, s.hidden.device).name == "torch" else TRITON
+        backend = pick(opts.backend, s.hidden.device)
+        math = TORCH if backend.name == "torch" else TritonMath(backend)
         return _ShardChunks(s, t, labels, kept, shard, opts, working, widest, math)
 
     def walk(

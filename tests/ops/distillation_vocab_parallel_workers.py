@@ -63,6 +63,9 @@ CASES: dict[str, dict] = {
     "inference_teacher": dict(inference_teacher=True, opts=dict(beta=0.5, reduction="none")),
     "bf16": dict(dtype=torch.bfloat16, bias=True, opts=dict(beta=0.5, ce_weight=0.3)),
     "autocast": dict(autocast=True, opts=dict(beta=0.5, ce_weight=0.3)),
+    # no cross-entropy term: on Hopper the shard's log-sum-exps come from the fused GEMM's partials
+    "bf16_no_ce": dict(dtype=torch.bfloat16, bias=True, opts=dict(ALL_MATH, ce_weight=0.0)),
+    "autocast_forward_kl": dict(autocast=True, opts=dict(beta=0.0, temperature=2.0)),
     # the PyTorch row math (the cases above run the default backend: Triton, interpreted on the CPU)
     "torch_math": dict(backend="torch", bias=True, opts=ALL_MATH),
     "torch_math_none": dict(backend="torch", bias=True, opts=dict(ALL_MATH, reduction="none")),
