@@ -85,7 +85,6 @@ def _distill_rows_kernel(
     t_pmax_ptr,
     t_psum_ptr,
     n_parts,
-    n_rows,
     stride_s,
     stride_t,
     stride_grad,
@@ -119,167 +118,164 @@ def _distill_rows_kernel(
     FINAL_FN: tl.constexpr,
     MIX_FN: tl.constexpr,
 ):
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    s_row = s_ptr + row * stride_s
+    t_row = t_ptr + row * stride_t
+    g_row = grad_ptr + row * stride_grad
     offsets = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(V, BLOCK_V)
-    for row_i in range(tl.program_id(0), n_rows, tl.num_programs(0)):  # rows in flight: the grid
-        row = tl.full([], 0, tl.int64) + row_i  # int64 offsets (the interpreter yields ints)
-        label = tl.load(labels_ptr + row)
-        s_row = s_ptr + row * stride_s
-        t_row = t_ptr + row * stride_t
-        g_row = grad_ptr + row * stride_grad
 
-        if label == ignore_index:
-            tl.store(loss_ptr + row, 0.0)
-            if COMPUTE_GRAD:
-                zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
-                for start in range(0, V, BLOCK_V):
-                    cols = start + offsets
-                    tl.store(g_row + cols, zeros, mask=cols < V)
-        else:
-            # ---- statistics: lse_s, lse_t (and the KL for beta 0 / 1, lse_z for the cross-entropy)
-            if HAS_PARTIALS:
-                max_s, lse_s = FOLD_FN(s_pmax_ptr, s_psum_ptr, row, n_parts, BLOCK_P)
-                max_t, lse_t = FOLD_FN(t_pmax_ptr, t_psum_ptr, row, n_parts, BLOCK_P)
-            if STATS_PASS:
-                m_s = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                m_t = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                sum_s = tl.zeros([BLOCK_V], dtype=tl.float32)
-                sum_t = tl.zeros([BLOCK_V], dtype=tl.float32)
-                sum_z = tl.zeros([BLOCK_V], dtype=tl.float32)
-                w_d = tl.zeros([BLOCK_V], dtype=tl.float32)
-                for i in range(0, n_blocks):
-                    cols = i * BLOCK_V + offsets
-                    mask = cols < V
-                    a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
-                    if HAS_PARTIALS:  # the cross-entropy's sum only, shifted by the known maximum
-                        sum_z += tl.where(mask, tl.exp(temperature * (a_s - max_s)), 0.0)
-                    else:
-                        a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
-                        d_s = tl.where(mask, a_s - m_s, float("-inf"))
-                        d_t = tl.where(mask, a_t - m_t, float("-inf"))
-                        e_s = tl.exp(-tl.abs(d_s))
-                        e_t = tl.exp(-tl.abs(d_t))
-                        grow_s = d_s > 0.0
-                        grow_t = d_t > 0.0
-                        sum_s = tl.where(grow_s, sum_s * e_s + 1.0, sum_s + e_s)
-                        sum_t = tl.where(grow_t, sum_t * e_t + 1.0, sum_t + e_t)
-                        if BETA_MODE == 1:  # sum of p_s (a_s - a_t), weighted as sum_s
-                            diff = tl.where(mask, a_s - a_t, 0.0)
-                            w_d = tl.where(grow_s, w_d * e_s + diff, w_d + e_s * diff)
-                        if BETA_MODE == 0:  # sum of p_t (a_t - a_s), weighted as sum_t
-                            diff = tl.where(mask, a_t - a_s, 0.0)
-                            w_d = tl.where(grow_t, w_d * e_t + diff, w_d + e_t * diff)
-                        if CE_SCALED:  # z = T a_s: the same maximum, exp(-T |d|)
-                            e_z = tl.exp(-temperature * tl.abs(d_s))
-                            sum_z = tl.where(grow_s, sum_z * e_z + 1.0, sum_z + e_z)
-                        m_s = tl.where(grow_s, a_s, m_s)
-                        m_t = tl.where(grow_t, a_t, m_t)
-                if HAS_PARTIALS:
-                    lse_z = temperature * max_s + tl.log(tl.sum(sum_z, axis=0))
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                tl.store(g_row + cols, zeros, mask=cols < V)
+    else:
+        # ---- statistics: lse_s, lse_t (and the KL for beta 0 / 1, lse_z for the cross-entropy)
+        if HAS_PARTIALS:
+            max_s, lse_s = FOLD_FN(s_pmax_ptr, s_psum_ptr, row, n_parts, BLOCK_P)
+            max_t, lse_t = FOLD_FN(t_pmax_ptr, t_psum_ptr, row, n_parts, BLOCK_P)
+        if STATS_PASS:
+            m_s = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            m_t = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            sum_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+            sum_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+            sum_z = tl.zeros([BLOCK_V], dtype=tl.float32)
+            w_d = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for i in range(0, n_blocks):
+                cols = i * BLOCK_V + offsets
+                mask = cols < V
+                a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
+                if HAS_PARTIALS:  # the cross-entropy's sum only, shifted by the known maximum
+                    sum_z += tl.where(mask, tl.exp(temperature * (a_s - max_s)), 0.0)
                 else:
-                    max_s = tl.max(m_s, axis=0)
-                    max_t = tl.max(m_t, axis=0)
-                    lane_s = tl.exp(m_s - max_s)  # 0 in lanes that saw no column
-                    lane_t = tl.exp(m_t - max_t)
-                    total_s = tl.sum(sum_s * lane_s, axis=0)
-                    total_t = tl.sum(sum_t * lane_t, axis=0)
-                    lse_s = max_s + tl.log(total_s)
-                    lse_t = max_t + tl.log(total_t)
-                    if BETA_MODE == 1:
-                        div = tl.sum(w_d * lane_s, axis=0) / total_s - (lse_s - lse_t)
-                    if BETA_MODE == 0:
-                        div = tl.sum(w_d * lane_t, axis=0) / total_t + (lse_s - lse_t)
-                    if CE_SCALED:
-                        lane_z = tl.exp(temperature * (m_s - max_s))
-                        lse_z = temperature * max_s + tl.log(tl.sum(sum_z * lane_z, axis=0))
-            if HAS_CE and not CE_SCALED:
-                lse_z = lse_s
-            c = lse_s - lse_t
-            kappa = log_1m_beta - log_beta
-
-            # ---- the mixture's KL(p_s || m) and KL(p_t || m), as (1 - beta) KL_s and beta KL_t
-            if BETA_MODE == 2:
-                acc_s = tl.zeros([BLOCK_V], dtype=tl.float32)
-                acc_t = tl.zeros([BLOCK_V], dtype=tl.float32)
-                if HAS_PARTIALS and CE_SCALED:
-                    sum_z = tl.zeros([BLOCK_V], dtype=tl.float32)
-                for i in range(0, n_blocks):
-                    start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_K else i * BLOCK_V
-                    cols = start + offsets
-                    mask = cols < V
-                    a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
                     a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
-                    delta = (a_s - a_t) - c
+                    d_s = tl.where(mask, a_s - m_s, float("-inf"))
+                    d_t = tl.where(mask, a_t - m_t, float("-inf"))
+                    e_s = tl.exp(-tl.abs(d_s))
+                    e_t = tl.exp(-tl.abs(d_t))
+                    grow_s = d_s > 0.0
+                    grow_t = d_t > 0.0
+                    sum_s = tl.where(grow_s, sum_s * e_s + 1.0, sum_s + e_s)
+                    sum_t = tl.where(grow_t, sum_t * e_t + 1.0, sum_t + e_t)
+                    if BETA_MODE == 1:  # sum of p_s (a_s - a_t), weighted as sum_s
+                        diff = tl.where(mask, a_s - a_t, 0.0)
+                        w_d = tl.where(grow_s, w_d * e_s + diff, w_d + e_s * diff)
+                    if BETA_MODE == 0:  # sum of p_t (a_t - a_s), weighted as sum_t
+                        diff = tl.where(mask, a_t - a_s, 0.0)
+                        w_d = tl.where(grow_t, w_d * e_t + diff, w_d + e_t * diff)
+                    if CE_SCALED:  # z = T a_s: the same maximum, exp(-T |d|)
+                        e_z = tl.exp(-temperature * tl.abs(d_s))
+                        sum_z = tl.where(grow_s, sum_z * e_z + 1.0, sum_z + e_z)
+                    m_s = tl.where(grow_s, a_s, m_s)
+                    m_t = tl.where(grow_t, a_t, m_t)
+            if HAS_PARTIALS:
+                lse_z = temperature * max_s + tl.log(tl.sum(sum_z, axis=0))
+            else:
+                max_s = tl.max(m_s, axis=0)
+                max_t = tl.max(m_t, axis=0)
+                lane_s = tl.exp(m_s - max_s)  # 0 in lanes that saw no column
+                lane_t = tl.exp(m_t - max_t)
+                total_s = tl.sum(sum_s * lane_s, axis=0)
+                total_t = tl.sum(sum_t * lane_t, axis=0)
+                lse_s = max_s + tl.log(total_s)
+                lse_t = max_t + tl.log(total_t)
+                if BETA_MODE == 1:
+                    div = tl.sum(w_d * lane_s, axis=0) / total_s - (lse_s - lse_t)
+                if BETA_MODE == 0:
+                    div = tl.sum(w_d * lane_t, axis=0) / total_t + (lse_s - lse_t)
+                if CE_SCALED:
+                    lane_z = tl.exp(temperature * (m_s - max_s))
+                    lse_z = temperature * max_s + tl.log(tl.sum(sum_z * lane_z, axis=0))
+        if HAS_CE and not CE_SCALED:
+            lse_z = lse_s
+        c = lse_s - lse_t
+        kappa = log_1m_beta - log_beta
+
+        # ---- the mixture's KL(p_s || m) and KL(p_t || m), as (1 - beta) KL_s and beta KL_t
+        if BETA_MODE == 2:
+            acc_s = tl.zeros([BLOCK_V], dtype=tl.float32)
+            acc_t = tl.zeros([BLOCK_V], dtype=tl.float32)
+            if HAS_PARTIALS and CE_SCALED:
+                sum_z = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for i in range(0, n_blocks):
+                start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_K else i * BLOCK_V
+                cols = start + offsets
+                mask = cols < V
+                a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
+                a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
+                delta = (a_s - a_t) - c
+                larger, e_m, s_larger, r = MIX_FN(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta)
+                smaller = larger * e_m
+                acc_s += tl.where(mask, tl.where(s_larger, larger, smaller) * r, 0.0)
+                acc_t += tl.where(mask, tl.where(s_larger, smaller, larger) * (r - delta), 0.0)
+                if HAS_PARTIALS and CE_SCALED:
+                    sum_z += tl.where(mask, tl.exp(temperature * (a_s - max_s)), 0.0)
+            kl_s_part = tl.sum(acc_s, axis=0)
+            div = kl_s_part + tl.sum(acc_t, axis=0)
+            kl_s = kl_s_part * inv_1m_beta
+            if HAS_PARTIALS and CE_SCALED:
+                lse_z = temperature * max_s + tl.log(tl.sum(sum_z, axis=0))
+
+        if HAS_CE:  # before the last pass may overwrite the label's logit with its gradient
+            a_y = tl.load(s_row + label).to(tl.float32) * s_scale
+            if S_SOFTCAP:
+                a_y, _label_slope = SOFTCAP_FN(a_y, s_cap)  # a scalar: not the loops' "_"
+            ce = lse_z - temperature * a_y
+
+        # ---- last: the gradient in place (and forward KL's value, after the partials)
+        if COMPUTE_GRAD or LAST_D:
+            if COMPUTE_GRAD:
+                coef = tl.load(coef_ptr + row)
+                c_div = coef * (1.0 - ce_weight)
+                c_ce = coef * ce_weight * temperature
+            acc_d = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for i in range(0, n_blocks):
+                start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_LAST else i * BLOCK_V
+                cols = start + offsets
+                mask = cols < V
+                a_s, slope = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
+                a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
+                delta = (a_s - a_t) - c
+                if BETA_MODE == 0:
+                    p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
+                    p_t = tl.exp(tl.minimum(a_t - lse_t, 0.0))
+                    g = p_s - p_t
+                    if LAST_D:
+                        acc_d += tl.where(mask, -p_t * delta, 0.0)
+                elif BETA_MODE == 1:
+                    p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
+                    g = p_s * (delta - div)
+                else:
                     larger, e_m, s_larger, r = MIX_FN(
                         a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta
                     )
-                    smaller = larger * e_m
-                    acc_s += tl.where(mask, tl.where(s_larger, larger, smaller) * r, 0.0)
-                    acc_t += tl.where(mask, tl.where(s_larger, smaller, larger) * (r - delta), 0.0)
-                    if HAS_PARTIALS and CE_SCALED:
-                        sum_z += tl.where(mask, tl.exp(temperature * (a_s - max_s)), 0.0)
-                kl_s_part = tl.sum(acc_s, axis=0)
-                div = kl_s_part + tl.sum(acc_t, axis=0)
-                kl_s = kl_s_part * inv_1m_beta
-                if HAS_PARTIALS and CE_SCALED:
-                    lse_z = temperature * max_s + tl.log(tl.sum(sum_z, axis=0))
-
-            if HAS_CE:  # before the last pass may overwrite the label's logit with its gradient
-                a_y = tl.load(s_row + label).to(tl.float32) * s_scale
-                if S_SOFTCAP:
-                    a_y, _label_slope = SOFTCAP_FN(a_y, s_cap)  # a scalar: not the loops' "_"
-                ce = lse_z - temperature * a_y
-
-            # ---- last: the gradient in place (and forward KL's value, after the partials)
-            if COMPUTE_GRAD or LAST_D:
+                    scaled_ps = tl.where(s_larger, larger, larger * e_m)  # (1 - beta) p_s
+                    g = scaled_ps * (r - kl_s)
+                    p_s = scaled_ps * inv_1m_beta
                 if COMPUTE_GRAD:
-                    coef = tl.load(coef_ptr + row)
-                    c_div = coef * (1.0 - ce_weight)
-                    c_ce = coef * ce_weight * temperature
-                acc_d = tl.zeros([BLOCK_V], dtype=tl.float32)
-                for i in range(0, n_blocks):
-                    start = (n_blocks - 1 - i) * BLOCK_V if REVERSE_LAST else i * BLOCK_V
-                    cols = start + offsets
-                    mask = cols < V
-                    a_s, slope = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
-                    a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
-                    delta = (a_s - a_t) - c
-                    if BETA_MODE == 0:
-                        p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
-                        p_t = tl.exp(tl.minimum(a_t - lse_t, 0.0))
-                        g = p_s - p_t
-                        if LAST_D:
-                            acc_d += tl.where(mask, -p_t * delta, 0.0)
-                    elif BETA_MODE == 1:
-                        p_s = tl.exp(tl.minimum(a_s - lse_s, 0.0))
-                        g = p_s * (delta - div)
+                    if HAS_CE:
+                        p_z = tl.exp(tl.minimum(temperature * a_s - lse_z, 0.0)) if CE_SCALED else p_s
+                        g = c_div * g + c_ce * p_z
+                        g = tl.where(cols == label, g - c_ce, g)
                     else:
-                        larger, e_m, s_larger, r = MIX_FN(
-                            a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta
-                        )
-                        scaled_ps = tl.where(s_larger, larger, larger * e_m)  # (1 - beta) p_s
-                        g = scaled_ps * (r - kl_s)
-                        p_s = scaled_ps * inv_1m_beta
-                    if COMPUTE_GRAD:
-                        if HAS_CE:
-                            p_z = tl.exp(tl.minimum(temperature * a_s - lse_z, 0.0)) if CE_SCALED else p_s
-                            g = c_div * g + c_ce * p_z
-                            g = tl.where(cols == label, g - c_ce, g)
-                        else:
-                            g = c_div * g
-                        if S_SOFTCAP:
-                            g = g * slope
-                        g = g * s_scale
-                        if GRAD_ALIASES_WIDER:
-                            # Block k's stores land on the student's logits of blocks <= k (walked
-                            # forwards): every warp must have read block k first.
-                            tl.debug_barrier()
-                        tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
-                if LAST_D:
-                    div = tl.sum(acc_d, axis=0)
+                        g = c_div * g
+                    if S_SOFTCAP:
+                        g = g * slope
+                    g = g * s_scale
+                    if GRAD_ALIASES_WIDER:
+                        # Block k's stores land on the student's logits of blocks <= k (walked
+                        # forwards): every warp must have read block k first.
+                        tl.debug_barrier()
+                    tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+            if LAST_D:
+                div = tl.sum(acc_d, axis=0)
 
-            loss = (1.0 - ce_weight) * div + ce_weight * ce if HAS_CE else div
-            tl.store(loss_ptr + row, loss)
+        loss = (1.0 - ce_weight) * div + ce_weight * ce if HAS_CE else div
+        tl.store(loss_ptr + row, loss)
 
 
 def launch_config(vocab: int, tuning: Tuning, interpret: bool) -> tuple[int, int]:
@@ -344,7 +340,6 @@ def distill_rows_triton(
     grad: torch.Tensor | None = None,
     coef: torch.Tensor | None = None,
     partials: Partials | None = None,
-    programs: int | None = None,
 ) -> torch.Tensor:
     """Each row's loss (rows,) fp32 from the raw logits chunks ``student`` and ``teacher``
     (rows, V; any float dtypes, unit column stride), labels (rows,) (``opts.ignore_index``: loss 0
@@ -382,7 +377,7 @@ def distill_rows_triton(
     beta = opts.beta
     log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == 2 else (0.0, 0.0)
     capped = side_s.softcap is not None or side_t.softcap is not None
-    jitted(_distill_rows_kernel)[(min(rows, programs or rows),)](
+    jitted(_distill_rows_kernel)[(rows,)](
         student,
         teacher,
         grad if compute_grad else student,
@@ -394,7 +389,6 @@ def distill_rows_triton(
         t_pmax,
         t_psum,
         n_parts,
-        rows,
         student.stride(0),
         teacher.stride(0),
         grad.stride(0) if compute_grad else 0,

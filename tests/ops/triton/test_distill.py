@@ -128,7 +128,7 @@ from liger_patch.ops.tuning import Tuning
 
 pointers = ["s_ptr", "t_ptr", "grad_ptr", "labels_ptr", "coef_ptr", "loss_ptr",
             "s_pmax_ptr", "s_psum_ptr", "t_pmax_ptr", "t_psum_ptr"]
-scalars = {"n_parts": "i32", "n_rows": "i32", "stride_s": "i64", "stride_t": "i64", "stride_grad": "i64", "V": "i32",
+scalars = {"n_parts": "i32", "stride_s": "i64", "stride_t": "i64", "stride_grad": "i64", "V": "i32",
            "ignore_index": "i64", "s_scale": "fp32", "s_cap": "fp32", "t_scale": "fp32", "t_cap": "fp32",
            "log_beta": "fp32", "log_1m_beta": "fp32", "inv_1m_beta": "fp32", "ce_weight": "fp32",
            "temperature": "fp32"}
