@@ -9,7 +9,7 @@ interleaved so that clock drift hits every setting alike:
 
     python benchmarks/experiments/chunk_sweep.py --out benchmarks/experiments/results/chunk_sweep.json
     python benchmarks/experiments/chunk_sweep.py --rows 1024,1536,1664,2048 --shapes 32768x4096x151936 \
-        --out ...                                                          # Tuning.chunk_rows
+        --rounds 1 --out ...                                               # Tuning.chunk_rows (any NxHxV)
     python benchmarks/experiments/chunk_sweep.py --reverse-ab --out ...   # Tuning.reverse_pass2
     python benchmarks/experiments/chunk_sweep.py --launch-ab --out ...    # Tuning.row_block / row_warps
     python benchmarks/experiments/chunk_sweep.py --fused-ab --out ...     # Tuning.fused_logits
@@ -125,7 +125,7 @@ def gemm_efficiency(hidden, weight, rep: int) -> dict:
 
 
 def sweep_shape(name: str, budgets: list[int], rep: int) -> dict:
-    n, h, v = SHAPES[name]
+    n, h, v = SHAPES[name] if name in SHAPES else map(int, name.split("x"))  # or any "NxHxV"
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
     floor = time_floor(hidden.detach(), weight.detach(), rep)
     row = {"shape": name, "floor_ms": floor, "op": {}, "vocab_pass": {}}
@@ -163,7 +163,7 @@ def compare_settings(name: str, rep: int, tunings: dict[str, Tuning], rounds: in
     """The whole op (default options) with each of ``tunings`` in turn, rounds interleaved
     (A/B/A/B) so that clock drift hits every setting alike. Returns per-setting medians over the
     rounds and every time."""
-    n, h, v = SHAPES[name]
+    n, h, v = SHAPES[name] if name in SHAPES else map(int, name.split("x"))  # or any "NxHxV"
     hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, 0.0)
     times: dict[str, list[float]] = {label: [] for label in tunings}
     for _ in range(rounds):
@@ -185,11 +185,11 @@ def reverse_pass_ab(name: str, rep: int) -> dict:
     return compare_settings(name, rep, tunings, 3)
 
 
-def rows_sweep(name: str, rows_list: list[int], rep: int) -> dict:
+def rows_sweep(name: str, rows_list: list[int], rep: int, rounds: int = 1) -> dict:
     """The token-chunk row count forced (``Tuning.chunk_rows``), ignoring the budget: how the row
-    count (GEMM wave quantisation, grad_W passes) moves the time. One round."""
-    res = compare_settings(name, rep, {str(r): Tuning(chunk_rows=r) for r in rows_list}, 1)
-    return {"shape": name, "rows_ms": res["ms"]}
+    count (GEMM wave quantisation, grad_W passes) moves the time. ``rounds`` interleaved."""
+    res = compare_settings(name, rep, {str(r): Tuning(chunk_rows=r) for r in rows_list}, rounds)
+    return {"shape": name, "rows_ms": res["ms"], "all": res["all"]}
 
 
 LAUNCHES = ((2048, 4), (4096, 8), (8192, 16), (16384, 16), (4096, 4))
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--reverse-ab", action="store_true", help="only the pass-2 direction A/B")
     parser.add_argument("--rows", default=None, help="comma list: only the forced-row-count sweep")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of the forced-row-count sweep")
     parser.add_argument("--launch-ab", action="store_true", help="only the row-kernel launch-config A/B")
     parser.add_argument("--fused-ab", action="store_true", help="only the fused-logits-GEMM vs cuBLAS A/B")
     args = parser.parse_args(argv)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     if args.rows:
         rows_list = [int(r) for r in args.rows.split(",")]
-        key, run = "row_count_sweep", lambda name: rows_sweep(name, rows_list, args.rep_ms)
+        key, run = "row_count_sweep", lambda name: rows_sweep(name, rows_list, args.rep_ms, args.rounds)
     elif args.fused_ab:
         key, run = "fused_ab", lambda name: fused_logits_ab(name, args.rep_ms)
     elif args.launch_ab:
