@@ -76,3 +76,15 @@ def test_every_size_run_is_there_and_its_checks_passed(smoke):
     assert {(c["scenario"], c["trainer"]) for c in results["size_checks"]} == SIZE
     assert all(c["passed"] for c in results["size_checks"]), results["size_checks"]
     assert "| scenario | dtype | loss | grads |" in table and "| scenario | trainer | variant |" in table
+
+
+def test_no_run_leaves_a_deepspeed_engine_behind(smoke):
+    """DeepSpeed keeps every ZeRO-3 model it ran (a module-global stack and an unbounded cache),
+    and with them the engines and the optimizer: ~3.1 GiB a run on the GPUs, which the next run's
+    peak counted. ``release_deepspeed_leftovers`` lets them go between runs."""
+    results, _ = smoke
+    zero3 = [r for r in results["size"] if r["scenario"] == "zero3"]
+    assert len(zero3) == 4
+    left = {(r["scenario"], r["trainer"], r["variant"]): r["deepspeed_engines_left_per_rank"] for r in zero3}
+    assert all(counts == [0, 0] for counts in left.values()), left
+    assert all(r["deepspeed_engines_left_per_rank"] == [0, 0] for r in results["size"])
