@@ -276,23 +276,3 @@ def shard_divergence_grad(
         g.mul_(1.0 - w).add_(g_ce, alpha=w)
     g.mul_(coef.unsqueeze(-1))
     return _to_raw_logits_(g, slope, opts.student)
-
-
-@torch.no_grad()
-def shard_distill_grad(
-    ls: Tensor,
-    lt: Tensor,
-    slope: Tensor | None,
-    label_col: Tensor,
-    row_sum: Tensor,
-    lse_q: Tensor | None,
-    opts: DistillOptions,
-    coef: Tensor,
-) -> Tensor:
-    """:func:`shard_divergence_grad` from the log-probs of these columns: ``row_sum`` as there,
-    ``lse_q`` the rows' logsumexp of T log p_s (with a cross-entropy term), ``label_col`` the
-    label's column here or -1. Consumes ``ls`` and ``lt``."""
-    g_ce = shard_cross_entropy_grad(ls, label_col, opts.temperature, lse_q) if opts.ce_weight else None
-    _, terms, ps = shard_divergence_parts(ls, lt, opts.beta, want_grad=True)
-    del ls, lt
-    return shard_divergence_grad(terms, ps, row_sum, g_ce, slope, opts, coef)

@@ -33,7 +33,6 @@ from liger_patch.ops.distillation_rows import (
     shard_stats,
     side_logits,
 )
-from liger_patch.ops.distillation_triton import fused_logits_for
 from liger_patch.ops.gemm import chunk_logits, grad_view
 
 _F32 = torch.float32
@@ -120,6 +119,8 @@ class TritonMath:
         self.backend = backend
 
     def _fused(self, opts: DistillOptions) -> FusedLogits | None:
+        from liger_patch.ops.distillation_triton import fused_logits_for
+
         return None if opts.ce_weight else fused_logits_for(self.backend, opts)
 
     def open(

@@ -52,7 +52,12 @@ from liger_patch.ops import operator as _operator  # noqa: F401  (registers lige
 from liger_patch.ops.backends import pick
 from liger_patch.ops.distillation import flat_operands
 from liger_patch.ops.distillation_chunks import ChunkMath, Head, Rows, Side, StudentGrads, walk_chunks
-from liger_patch.ops.distillation_options import DistillOptions, build_distill_options, grads_in_forward
+from liger_patch.ops.distillation_options import (
+    DistillOptions,
+    build_distill_options,
+    check_logits_dtypes,
+    grads_in_forward,
+)
 from liger_patch.ops.distillation_rows import divergence_of_sums
 from liger_patch.ops.distillation_shard_math import TORCH, TritonMath
 from liger_patch.ops.fused_linear_ce import autocast_inputs
@@ -245,11 +250,11 @@ class _VocabParallelDistill(torch.autograd.Function):
     """The loss of the student's and the teacher's vocabulary shards; see the module doc."""
 
     @staticmethod
-    def forward(ctx, sh, sw, sb, th, tw, tb, labels, num_items, num_items_value, shard, opts):
+    def forward(ctx, sh, sw, sb, th, tw, tb, labels, num_items, num_items_value, shard, opts, grad_on):
         labels = labels.long().contiguous()
         keep = labels != opts.ignore_index
         divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
-        needs = list(ctx.needs_input_grad[:3])
+        needs = [grad_on and n for n in ctx.needs_input_grad[:3]]  # none under no_grad (evaluation)
         user_divisor = divisor if num_items is not None else None
         (widest,) = check_ranks_agree(labels, shard, opts.student, user_divisor, needs, (sw.shape[0],))
         kept = keep.nonzero().view(-1)
@@ -286,14 +291,14 @@ class _VocabParallelDistill(torch.autograd.Function):
             grads = [g for g in pre if g is not None]
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=grads[0].device)
             torch.ops.liger_patch.scale_grads_(grads, scale.float(), ctx.opts_key)
-            return (*pre, *(None,) * 8)
+            return (*pre, *(None,) * 9)
         if getattr(ctx, "spent", False):
             raise RuntimeError(
                 "vocab_parallel_distillation computed its gradients in the forward and kept nothing else; a "
                 "second backward over a retained graph needs reduction='none' (which recomputes them)"
             )
         if not any(ctx.needs):
-            return (None,) * 11
+            return (None,) * 12
         sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
         teacher = tuple(t if t is not None else i for t, i in zip(saved, ctx.teacher_inference, strict=True))
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
@@ -302,7 +307,7 @@ class _VocabParallelDistill(torch.autograd.Function):
             chunks = _ShardChunks.of((sh, sw, sb), teacher, labels, ctx.kept, ctx.shard, opts, ctx.widest)
             step = functools.partial(_grad_step, ctx.shard, chunks.math, values)
             grads = _walk_grads(chunks, Head(sh, sw, sb), ctx.needs, step, coef=coef)
-        return (*grads, *(None,) * 8)
+        return (*grads, *(None,) * 9)
 
 
 def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) -> tuple:
@@ -349,6 +354,7 @@ def vocab_parallel_distillation(
         )
     if sh.device != th.device:
         raise ValueError(f"the student's tensors are on {sh.device} but the teacher's on {th.device}")
+    check_logits_dtypes(opts, sh.dtype, th.dtype)
     operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
-    loss = _VocabParallelDistill.apply(*operands, shard, opts)
+    loss = _VocabParallelDistill.apply(*operands, shard, opts, torch.is_grad_enabled())
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss

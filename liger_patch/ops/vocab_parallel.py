@@ -123,15 +123,16 @@ def _flags(
     maxima: tuple[int, ...],
 ):
     """This rank's ``[*maxima, bad label, bad divisor, *same, *(-same)]`` (int64), ``same`` being
-    what every rank of the group must agree on: the token count, the labels' sum, the gradients
-    wanted."""
+    what every rank of the group must agree on: the token count, the labels' sum, the kept
+    tokens' count (the distillation op walks the kept tokens' chunks with a collective each),
+    the gradients wanted."""
     device = labels.device
     keep = labels != opts.ignore_index
     bad_label = (keep & ((labels < 0) | (labels >= vocab))).any()
     bad_divisor = torch.zeros((), dtype=torch.bool, device=device)
     if user_divisor is not None:
         bad_divisor = ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
-    same = torch.stack([torch.tensor(labels.shape[0], device=device), labels.sum()])
+    same = torch.stack([torch.tensor(labels.shape[0], device=device), labels.sum(), keep.sum()])
     same = torch.cat([same, torch.tensor([int(x) for x in needs], device=device)])
     flags = torch.stack([bad_label, bad_divisor]).long()
     return torch.cat([torch.tensor(maxima, dtype=torch.long, device=device), flags, same, -same])
@@ -147,8 +148,8 @@ def check_ranks_agree(
 ) -> list[int]:
     """Raise on every rank of the group, never on some only (the others would wait in the next
     collective): for a label outside [0, V) (IndexError, as ``validation.check_values``), a bad
-    ``num_items_in_batch`` tensor (ValueError), or ranks that passed different tokens (count or
-    labels) or want different gradients (ValueError). One all-reduce (max) of a few integers and
+    ``num_items_in_batch`` tensor (ValueError), or ranks that passed different tokens (count,
+    labels or kept count) or want different gradients (ValueError). One all-reduce (max) of a few integers and
     one host sync: the values that must agree travel as v and -v, so max(-v) = -min(v). Returns
     the group's largest value of each of this rank's ``maxima`` (what every rank must size alike,
     such as the chunks of a pass with a collective per chunk)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from liger_patch.ops import distillation_vocab_parallel
 from liger_patch.ops.distillation import fused_linear_distillation
 from liger_patch.ops.distillation_vocab_parallel import vocab_parallel_distillation
 from liger_patch.ops.vocab_parallel import VocabShard
@@ -63,8 +64,11 @@ CASES: dict[str, dict] = {
     "inference_teacher": dict(inference_teacher=True, opts=dict(beta=0.5, reduction="none")),
     "bf16": dict(dtype=torch.bfloat16, bias=True, opts=dict(beta=0.5, ce_weight=0.3)),
     "autocast": dict(autocast=True, opts=dict(beta=0.5, ce_weight=0.3)),
-    # no cross-entropy term: on Hopper the shard's log-sum-exps come from the fused GEMM's partials
+    # no cross-entropy term: the shard's log-sum-exps from the fused GEMM's partials where it takes
+    # the chunk (Hopper or the interpreter, 16-byte aligned rows: 501 and 500 bf16 columns are not)
     "bf16_no_ce": dict(dtype=torch.bfloat16, bias=True, opts=dict(ALL_MATH, ce_weight=0.0)),
+    # 512-column bf16 shards: rows 16-byte aligned, as the fused GEMM takes them
+    "bf16_aligned_no_ce": dict(vocab=1024, dtype=torch.bfloat16, bias=True, opts=dict(beta=0.5)),
     "autocast_forward_kl": dict(autocast=True, opts=dict(beta=0.0, temperature=2.0)),
     # the PyTorch row math (the cases above run the default backend: Triton, interpreted on the CPU)
     "torch_math": dict(backend="torch", bias=True, opts=ALL_MATH),
@@ -180,8 +184,21 @@ def _raised(fn) -> str:
     return ""
 
 
+def gradient_walks(call) -> int:
+    """How many times ``call()`` made the op walk its chunks for gradients."""
+    walks = []
+    original = distillation_vocab_parallel._walk_grads
+    distillation_vocab_parallel._walk_grads = lambda *a, **k: walks.append(1) or original(*a, **k)
+    try:
+        call()
+    finally:
+        distillation_vocab_parallel._walk_grads = original
+    return len(walks)
+
+
 def run_errors() -> dict:
-    """What each rank raises for inputs the op refuses, then that the group still works."""
+    """What each rank raises for inputs the op refuses, then that the group still works; and that
+    a forward under ``no_grad`` computes no gradients (the forward computes them with "mean")."""
     rank, world = dist.get_rank(), dist.get_world_size()
     case = build_case("errors", CASES["jsd"])
     offset, rows = shard_rows(V, rank, world)
@@ -193,8 +210,26 @@ def run_errors() -> dict:
     hidden = sh.clone().requires_grad_()
     loss = vocab_parallel_distillation(hidden, case["sw"][part], th, case["tw"][part], labels, shard=shard)
     loss.backward(retain_graph=True)  # "mean": the gradients came from the forward
+    sw = case["sw"][part].clone().requires_grad_()
+
+    tw = case["tw"][part]
+
+    def forward(**opts):
+        return vocab_parallel_distillation(hidden, sw, th, case["tw"][part], labels, shard=shard, **opts)
+
+    def under_no_grad():
+        with torch.no_grad():
+            forward()
+
+    # the same count and sum of labels, a different number kept: 2 kept tokens here, 3 there
+    unlike = torch.tensor([-100, 50, 50]) if rank == 0 else torch.tensor([0, 0, 0])
     return {
         "second_backward": _raised(loss.backward),
+        "gradient_walks": [gradient_walks(forward), gradient_walks(under_no_grad)],
+        "kept_mismatch": _raised(
+            lambda: vocab_parallel_distillation(sh[0, :3], sw, th[0, :3], tw, unlike, shard=shard)
+        ),
+        "logits_dtype": _raised(lambda: forward(logits_dtype=torch.float16)),
         "rows_mismatch": _raised(
             lambda: vocab_parallel_distillation(sh, case["sw"][part], th, case["tw"][:3], labels, shard=shard)
         ),

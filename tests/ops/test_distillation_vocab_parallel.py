@@ -91,3 +91,7 @@ def test_refused_inputs_raise_on_every_rank_and_the_group_keeps_working(results)
             and "reduction='none'" in errors["second_backward"]
         ), errors
         assert errors["then_works"] > 0
+        assert errors["gradient_walks"] == [1, 0], errors["gradient_walks"]  # none under no_grad
+        kept_mismatch = errors["kept_mismatch"]
+        assert kept_mismatch.startswith("ValueError") and "different tokens" in kept_mismatch
+        assert errors["logits_dtype"].startswith("ValueError") and "logits_dtype" in errors["logits_dtype"]

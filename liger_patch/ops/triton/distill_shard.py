@@ -333,8 +333,11 @@ def shard_grad_triton(
     mode, log_beta, log_1m_beta = _beta_terms(opts.beta)
     has_ce = opts.ce_weight != 0.0
     narrower = grad.element_size() < student.element_size()
-    if narrower and grad.data_ptr() != student.data_ptr():
-        raise ValueError("a gradient narrower than the logits must be a view of their bytes")
+    same_rows = grad.stride(0) * grad.element_size() == student.stride(0) * student.element_size()
+    if narrower and (grad.data_ptr() != student.data_ptr() or not same_rows):
+        raise ValueError(
+            "a gradient narrower than the logits must be a view of their bytes, rows starting where theirs do"
+        )
     lse_z = stats["lse_z"] if has_ce else stats["lse_s"]
     jitted(_shard_grad_kernel)[(rows,)](
         student, teacher, grad, stats["lse_s"].contiguous(), stats["lse_t"].contiguous(),
