@@ -1,5 +1,5 @@
-"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding, and
-the fold of the logits GEMM's log-sum-exp partials."""
+"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding, a
+logarithm through the SFU, and the fold of the logits GEMM's log-sum-exp partials."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import functools
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from liger_patch import env
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _jit(fn, interpret: bool):
     del interpret  # part of the cache key only: Triton reads TRITON_INTERPRET when jitting
     return triton.jit(fn)
@@ -21,6 +22,24 @@ def jitted(fn):
     """``fn`` jitted for the ``TRITON_INTERPRET`` mode of this moment (read on every call), so one
     process can run a kernel on CUDA and, under the interpreter, on CPU tensors."""
     return _jit(fn, env.triton_interpret())
+
+
+def sfu_log(x):
+    """Natural log by the SFU: ``lg2.approx`` times ln 2, absolute error under 2^-21.4 on
+    [0.5, 2]. ``tl.log`` compiles to a software logarithm of about 20 instructions, which kept the
+    distillation row kernel's mixture instruction-bound (docs/perf-notes.md item 43)."""
+    return libdevice.fast_logf(x)
+
+
+def ieee_log(x):
+    """``tl.log``: what ``per_element_log`` gives under the interpreter, which has no libdevice."""
+    return tl.log(x)
+
+
+def per_element_log():
+    """The jitted log for a kernel's per-element terms (arguments in [0.5, 2]): ``sfu_log`` on a
+    GPU, ``ieee_log`` under the interpreter. Kernels take it as the constexpr ``LOG_FN``."""
+    return jitted(ieee_log) if env.triton_interpret() else jitted(sfu_log)
 
 
 def softcap(x, cap):

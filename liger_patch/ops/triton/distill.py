@@ -41,7 +41,7 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.distillation_options import DistillOptions
-from liger_patch.ops.triton.common import fold_partials, jitted, softcap
+from liger_patch.ops.triton.common import fold_partials, jitted, per_element_log, softcap
 from liger_patch.ops.tuning import Tuning
 
 Partials = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -59,17 +59,18 @@ def final_block(row_ptr, cols, mask, scale, cap, CAPPED: tl.constexpr, SOFTCAP_F
     return a, slope
 
 
-def mixture_terms(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta):
+def mixture_terms(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta, LOG_FN: tl.constexpr):
     """The mixture's terms at a block (the module doc's u, v and d = u - v): the larger of
     (1 - beta) p_s and beta p_t, e = exp(-|d|) (the smaller is their product), whether the
-    student's is the larger, and r = log p_s - log m. The kernel takes it as the constexpr
-    ``MIX_FN=jitted(mixture_terms)`` (for 0 < beta < 1 only)."""
+    student's is the larger, and r = log p_s - log m (log(1 + e) by ``LOG_FN``, the kernel's
+    ``per_element_log()``). The kernel takes it as the constexpr ``MIX_FN=jitted(mixture_terms)``
+    (for 0 < beta < 1 only)."""
     d_m = delta + kappa
     e_m = tl.exp(-tl.abs(d_m))
     s_larger = d_m >= 0.0
     # p <= 1: lse from the partials may sit a rounding below a logit
     larger = tl.exp(tl.minimum(tl.where(s_larger, a_s - lse_s + log_1m_beta, a_t - lse_t + log_beta), 0.0))
-    r = tl.where(s_larger, -log_1m_beta, delta - log_beta) - tl.log(1.0 + e_m)
+    r = tl.where(s_larger, -log_1m_beta, delta - log_beta) - LOG_FN(1.0 + e_m)
     return larger, e_m, s_larger, r
 
 
@@ -117,6 +118,7 @@ def _distill_rows_kernel(
     FOLD_FN: tl.constexpr,
     FINAL_FN: tl.constexpr,
     MIX_FN: tl.constexpr,
+    LOG_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -208,7 +210,9 @@ def _distill_rows_kernel(
                 a_s, _ = FINAL_FN(s_row, cols, mask, s_scale, s_cap, S_SOFTCAP, SOFTCAP_FN)
                 a_t, _ = FINAL_FN(t_row, cols, mask, t_scale, t_cap, T_SOFTCAP, SOFTCAP_FN)
                 delta = (a_s - a_t) - c
-                larger, e_m, s_larger, r = MIX_FN(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta)
+                larger, e_m, s_larger, r = MIX_FN(
+                    a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta, LOG_FN
+                )
                 smaller = larger * e_m
                 acc_s += tl.where(mask, tl.where(s_larger, larger, smaller) * r, 0.0)
                 acc_t += tl.where(mask, tl.where(s_larger, smaller, larger) * (r - delta), 0.0)
@@ -251,7 +255,7 @@ def _distill_rows_kernel(
                     g = p_s * (delta - div)
                 else:
                     larger, e_m, s_larger, r = MIX_FN(
-                        a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta
+                        a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta, LOG_FN
                     )
                     scaled_ps = tl.where(s_larger, larger, larger * e_m)  # (1 - beta) p_s
                     g = scaled_ps * (r - kl_s)
@@ -423,6 +427,7 @@ def distill_rows_triton(
         FOLD_FN=jitted(fold_partials) if has_partials else None,
         FINAL_FN=jitted(final_block),
         MIX_FN=jitted(mixture_terms) if mode == 2 else None,
+        LOG_FN=per_element_log() if mode == 2 else None,
         num_warps=warps,
     )
     return loss

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.distillation_options import DistillOptions
-from liger_patch.ops.triton.common import jitted, softcap
+from liger_patch.ops.triton.common import jitted, per_element_log, softcap
 from liger_patch.ops.triton.distill import final_block, launch_config, mixture_terms
 
 
@@ -124,6 +124,7 @@ def _shard_sums_kernel(
     SOFTCAP_FN: tl.constexpr,
     FINAL_FN: tl.constexpr,
     MIX_FN: tl.constexpr,
+    LOG_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
@@ -146,7 +147,9 @@ def _shard_sums_kernel(
         elif BETA_MODE == 1:
             acc_a += tl.where(mask, tl.exp(tl.minimum(a_s - lse_s, 0.0)) * delta, 0.0)
         else:
-            larger, e_m, s_larger, r = MIX_FN(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta)
+            larger, e_m, s_larger, r = MIX_FN(
+                a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta, LOG_FN
+            )
             smaller = larger * e_m
             acc_a += tl.where(mask, tl.where(s_larger, larger, smaller) * r, 0.0)
             acc_b += tl.where(mask, tl.where(s_larger, smaller, larger) * (r - delta), 0.0)
@@ -188,6 +191,7 @@ def _shard_grad_kernel(
     SOFTCAP_FN: tl.constexpr,
     FINAL_FN: tl.constexpr,
     MIX_FN: tl.constexpr,
+    LOG_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
@@ -216,7 +220,9 @@ def _shard_grad_kernel(
         elif BETA_MODE == 1:
             g = tl.exp(tl.minimum(a_s - lse_s, 0.0)) * (delta - row_sum)
         else:
-            larger, e_m, s_larger, r = MIX_FN(a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta)
+            larger, e_m, s_larger, r = MIX_FN(
+                a_s, a_t, delta, lse_s, lse_t, kappa, log_beta, log_1m_beta, LOG_FN
+            )
             g = tl.where(s_larger, larger, larger * e_m) * (r - row_sum)  # (1 - beta) p_s (...)
         g = c_div * g
         if HAS_CE:
@@ -260,7 +266,9 @@ def _fns(opts: DistillOptions, mix: bool = False) -> dict:
         FINAL_FN=jitted(final_block),
     )
     if mix:
-        fns["MIX_FN"] = jitted(mixture_terms) if opts.beta not in (0.0, 1.0) else None
+        mixture = opts.beta not in (0.0, 1.0)
+        fns["MIX_FN"] = jitted(mixture_terms) if mixture else None
+        fns["LOG_FN"] = per_element_log() if mixture else None
     return fns
 
 

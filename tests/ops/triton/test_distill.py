@@ -122,7 +122,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.triton.common import fold_partials, softcap
+from liger_patch.ops.triton.common import fold_partials, sfu_log, softcap
 from liger_patch.ops.triton.distill import _distill_rows_kernel, final_block, launch_config, mixture_terms
 from liger_patch.ops.tuning import Tuning
 
@@ -146,7 +146,8 @@ for mode, ce, scaled, (s_cap, t_cap), partials, grad, s_dtype, t_dtype, g_dtype,
                       HAS_PARTIALS=partials, STATS_PASS=stats, LAST_D=mode == 0 and partials,
                       COMPUTE_GRAD=grad, GRAD_ALIASES_WIDER=aliases, REVERSE_K=stats, REVERSE_LAST=False,
                       BLOCK_V=block, BLOCK_P=1024, SOFTCAP_FN=softcap_fn, FOLD_FN=fold_fn,
-                      FINAL_FN=final_fn, MIX_FN=mix_fn if mode == 2 else None)
+                      FINAL_FN=final_fn, MIX_FN=mix_fn if mode == 2 else None,
+                      LOG_FN=triton.jit(sfu_log) if mode == 2 else None)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,

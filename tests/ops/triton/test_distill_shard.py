@@ -139,7 +139,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from liger_patch.ops.triton import distill_shard as k
-from liger_patch.ops.triton.common import softcap
+from liger_patch.ops.triton.common import sfu_log, softcap
 from liger_patch.ops.triton.distill import final_block, launch_config, mixture_terms
 from liger_patch.ops.tuning import Tuning
 
@@ -170,7 +170,9 @@ for kind, mode, ce, s_cap, t_cap, s_dtype, t_dtype, g_dtype, aliases in json.loa
     if kind == "stats":
         constexprs.update(HAS_CE=ce, ONLINE_FN=triton.jit(k._online), LSE_FN=triton.jit(k._lanes_lse))
     else:
-        constexprs.update(BETA_MODE=mode, MIX_FN=triton.jit(mixture_terms) if mode == 2 else None)
+        mix = mode == 2
+        constexprs.update(BETA_MODE=mode, MIX_FN=triton.jit(mixture_terms) if mix else None,
+                          LOG_FN=triton.jit(sfu_log) if mix else None)
     if kind == "grad":
         constexprs.update(HAS_CE=ce, GRAD_ALIASES_WIDER=aliases)
     order = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount]]
