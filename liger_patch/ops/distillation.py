@@ -27,6 +27,7 @@ from liger_patch.ops.distillation_options import (
     options_from_key,
 )
 from liger_patch.ops.fused_linear_ce import autocast_inputs
+from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
 
 NumItems = int | float | Tensor | None
 HeadTensors = tuple[Tensor, Tensor, Tensor | None]
@@ -122,6 +123,7 @@ def fused_linear_distillation(
     backend: str = "auto",
     memory_budget: int | str | None = None,
     logits_dtype: torch.dtype | None = None,
+    tuning: Tuning | None = None,
 ) -> Tensor:
     """Distillation loss of ``student_hidden @ student_weight.T (+ student_bias)`` towards
     ``teacher_hidden @ teacher_weight.T (+ teacher_bias)``, never building either's logits.
@@ -165,6 +167,7 @@ def fused_linear_distillation(
                 backend=backend,
                 memory_budget=memory_budget,
                 logits_dtype=logits_dtype,
+                tuning=DEFAULT_TUNING if tuning is None else tuning,
             )
         )
     )

@@ -31,6 +31,7 @@ from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.distillation_rows import ROW_BUFFERS, distill_rows, side_log_probs
 from liger_patch.ops.gemm import gemm_dtype_for, gemm_logits, mm_into
 from liger_patch.ops.grad_weight_layout import accumulate_grad_weight
+from liger_patch.ops.head_start import HeadStart
 from liger_patch.ops.options import LossOptions
 
 _F32 = torch.float32
@@ -142,13 +143,14 @@ def _torch_step(
 TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
 
 
-def chunk_math(backend: Backend) -> ChunkMath:
-    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton."""
+def chunk_math(backend: Backend, head: HeadStart | None = None) -> ChunkMath:
+    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton and
+    takes the teacher's ``head`` (``distillation_triton.start_head``) for its first chunk."""
     if backend.name == "torch":
         return TORCH_MATH
     from liger_patch.ops.distillation_triton import triton_math
 
-    return triton_math(backend)
+    return triton_math(backend, head)
 
 
 class StudentGrads:

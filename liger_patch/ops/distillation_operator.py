@@ -15,7 +15,10 @@ call as one graph node (``fullgraph=True``, dynamic shapes), following ``operato
   AOTAutograd saves them itself and refuses inference tensors there: a compiled call that
   recomputes (reduction "none", an fp16 student) needs a teacher run under ``torch.no_grad``.
 
-One host sync per forward: the label range check, which also counts the kept tokens.
+One host sync per forward: the label range check, which also counts the kept tokens (and gives
+"mean"'s divisor when it is that count). While the host waits for it the GPU computes the start
+of the teacher's first logits chunk (``distillation_triton.start_head``, as ``head_start`` does
+for the cross-entropy op).
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops import budget, validation
+from liger_patch.ops import budget, head_start, validation
 from liger_patch.ops import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
-from liger_patch.ops.backends import pick
-from liger_patch.ops.distillation_chunks import ChunkMath, Head, chunk_math, run_distill
+from liger_patch.ops.backends import Backend, pick
+from liger_patch.ops.distillation_chunks import ChunkMath, Head, Side, chunk_math, run_distill
 from liger_patch.ops.distillation_options import DistillOptions, check_logits_dtypes, grads_in_forward
-from liger_patch.ops.reduction import loss_divisor, reduce_rows, row_weights
+from liger_patch.ops.gemm import gemm_dtype_for
+from liger_patch.ops.head_start import HeadStart
+from liger_patch.ops.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights
 
 _F32 = torch.float32
 
@@ -39,6 +44,31 @@ def _empty(like: Tensor) -> Tensor:
 
 def _budget(opts: DistillOptions, student_hidden: Tensor, n_rows: int) -> int:
     return budget.working_bytes(opts.memory_budget, n_rows, student_hidden.nbytes)
+
+
+def _start_head(
+    backend: Backend,
+    student: Head,
+    teacher: Head,
+    opts: DistillOptions,
+    keep: Tensor,
+    want_grad: bool,
+    budget_bytes: int,
+    shape_key: tuple,
+) -> HeadStart | None:
+    """The teacher's first logits chunk begun before the label check is waited for (Triton
+    backend, GEMMs in the inputs' dtypes): over the kept rows where the last call of this shape
+    skipped some (``head_start.expects_skip``), else over every row."""
+    if backend.name == "torch" or any(gemm_dtype_for(h.hidden) != h.hidden.dtype for h in (student, teacher)):
+        return None
+    from liger_patch.ops.distillation_triton import start_head
+
+    gathered = keep if head_start.expects_skip(shape_key) else None
+    with torch.autocast(student.hidden.device.type, enabled=False):
+        return start_head(
+            backend, Side.of(student), Side.of(teacher), opts,
+            want_grad=want_grad, budget_bytes=budget_bytes, keep=gathered,
+        )  # fmt: skip
 
 
 def _math(opts: DistillOptions, student_hidden: Tensor) -> ChunkMath:
@@ -65,27 +95,41 @@ def fused_distill(
     and (N, H_t), labels (N,). Gradients not computed here are empty."""
     opts = DistillOptions.from_key(options)
     check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
-    math = _math(opts, student_hidden)
+    backend = pick(opts.backend, student_hidden.device)
     labels = labels.long().contiguous()
     keep = labels != opts.ignore_index
-    divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
-    n_kept = validation.check_values(
-        labels, student_weight.shape[0], opts.ignore_index, divisor if num_items is not None else None
+    counted = counted_divisor(opts.student, None, num_items, num_items_value)
+    # A divisor that is the kept count is read in the label check's sync: no launches for it.
+    divisor = None if counted else loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
+    vocab = student_weight.shape[0]
+    check = validation.start_value_check(
+        labels, vocab, opts.ignore_index, divisor if num_items is not None else None
     )
+    student = Head(student_hidden, student_weight, student_bias)
+    teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
+    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
+    budget_bytes = _budget(opts, student_hidden, labels.shape[0])
+    shape_key = ("distill", student_hidden.device, labels.shape[0], vocab)
+    head = _start_head(
+        backend, student, teacher, opts, keep, precompute and any(needs), budget_bytes, shape_key
+    )
+    n_kept = check.result()  # the host waits here, while the head's GEMM runs
+    head_start.remember(shape_key, n_kept < labels.shape[0])
+    if counted:
+        divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value, n_kept=n_kept)
     kept = None if n_kept == labels.shape[0] else torch.nonzero_static(keep, size=n_kept).view(-1)
     row_weight = row_weights(keep, opts.reduction, divisor)
-    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
     with torch.autocast(student_hidden.device.type, enabled=False):
         res = run_distill(
-            Head(student_hidden, student_weight, student_bias),
-            Head(teacher_hidden, teacher_weight, teacher_bias),
+            student,
+            teacher,
             labels,
             opts,
             kept=kept,
             coef=row_weight if precompute else None,
             needs=tuple(needs),
-            budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
-            math=math,
+            budget_bytes=budget_bytes,
+            math=chunk_math(backend, head),
         )
     loss = reduce_rows(res.loss, opts.reduction, divisor)
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)

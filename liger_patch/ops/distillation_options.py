@@ -27,6 +27,7 @@ from liger_patch.ops.options import (
     check_logits_dtype,
     option_float,
 )
+from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class DistillOptions:
     backend: BackendName = "auto"
     memory_budget: int | str | None = None
     logits_dtype: torch.dtype | None = None
+    tuning: Tuning = DEFAULT_TUNING
 
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
@@ -67,6 +69,7 @@ class DistillOptions:
             backend=self.backend,
             memory_budget=self.memory_budget,
             logits_dtype=self.logits_dtype,
+            tuning=self.tuning,
             **temperature_options(self.temperature, logit_scale, softcap),
         )
 
@@ -76,7 +79,10 @@ class DistillOptions:
         """The options ``key`` was made from (``DistillOptions(...).key``)."""
         values = json.loads(key)
         dtype = values.pop("logits_dtype")
-        return DistillOptions(**values, logits_dtype=None if dtype is None else getattr(torch, dtype))
+        tuning = Tuning.from_key(values.pop("tuning"))
+        return DistillOptions(
+            **values, tuning=tuning, logits_dtype=None if dtype is None else getattr(torch, dtype)
+        )
 
     def logits_dtype_for(self, input_dtype: torch.dtype) -> torch.dtype:
         """The dtype a side's logits chunks are stored in: ``logits_dtype``, else its input's."""
@@ -84,8 +90,9 @@ class DistillOptions:
 
 
 def _key(opts: DistillOptions) -> str:
-    """Every option as one JSON string (the dtype by its name)."""
+    """Every option as one JSON string (the dtype by its name, the tuning by its key)."""
     values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    values["tuning"] = opts.tuning.key
     if opts.logits_dtype is not None:
         values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
     return json.dumps(values, sort_keys=True)
@@ -123,6 +130,8 @@ DISTILL_OPTION_DOCS = {
     "an unpatched half-precision head stores them) or torch.float32 (never rounded to half precision: "
     "TRL DistillationTrainer's chunked kernel; 4 bytes a logit, so smaller chunks). The torch backend "
     "keeps fp32 logits whatever this says",
+    "tuning": "a ``Tuning``: measured knobs of how the op runs (never what it computes), as for "
+    "``fused_linear_cross_entropy``",
 }
 """One line per option, for the docstrings of the entry points."""
 assert set(DISTILL_OPTION_DOCS) == set(DISTILL_OPTION_NAMES), "every option needs its line"
@@ -155,13 +164,14 @@ def _optional_scale(name: str, value: object) -> float | None:
 
 def _checked(opts: DistillOptions) -> dict[str, Any]:
     """The normalised value of every option; raises for a bad one, naming it. ``ignore_index``,
-    ``reduction``, ``memory_budget`` and ``logits_dtype`` are checked as the cross-entropy op
-    checks them (a dtype against the inputs' at the call: ``check_logits_dtypes``)."""
+    ``reduction``, ``memory_budget``, ``logits_dtype`` and ``tuning`` are checked as the
+    cross-entropy op checks them (a dtype against the inputs' at the call: ``check_logits_dtypes``)."""
     LossOptions(
         ignore_index=opts.ignore_index,
         reduction=opts.reduction,
         memory_budget=opts.memory_budget,
         logits_dtype=opts.logits_dtype,
+        tuning=opts.tuning,
     )
     if opts.backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")

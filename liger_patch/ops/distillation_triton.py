@@ -24,7 +24,9 @@ import functools
 import torch
 from torch import Tensor
 
+from liger_patch.ops import head_start
 from liger_patch.ops.backends import Backend, FusedLogits
+from liger_patch.ops.budget import chunk_rows
 from liger_patch.ops.distillation_chunks import ChunkMath, Rows, Side
 from liger_patch.ops.distillation_options import DistillOptions
 from liger_patch.ops.gemm import chunk_logits, grad_view
@@ -47,8 +49,11 @@ def _step(
     labels: Tensor,
     coef: Tensor | None,
     opts: DistillOptions,
+    head: head_start.HeadStart | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """One chunk (``ChunkMath.step``): both logits chunks, the row kernel, the gradient in place."""
+    """One chunk (``ChunkMath.step``): both logits chunks, the row kernel, the gradient in place.
+    ``head``: the teacher's logits begun before the label check (``start_head``), taken where
+    this chunk begins with the rows it began, else dropped before this chunk's buffers exist."""
     hs = rows.take(student.hidden).to(student.w.dtype)
     ht = rows.take(teacher.hidden).to(teacher.w.dtype)
     s_dtype = opts.logits_dtype_for(student.hidden.dtype)  # the logits' dtypes
@@ -61,7 +66,12 @@ def _step(
         and fused.supported(ht, teacher.w, t_dtype, tuning)
     )
     via = backend if both else None  # partials for both sides or for neither
-    lt, t_parts = chunk_logits(ht, teacher.w, teacher.b, opts.teacher, t_dtype, None, via)
+    if both and head is not None and head.fits(rows.index is not None, ht.shape[0]):
+        lt, t_parts = head_start.finish(head, ht, teacher.w, teacher.b, opts.teacher, t_dtype, backend)
+    else:
+        if head is not None:
+            head.take()  # dropped: its buffers are freed here
+        lt, t_parts = chunk_logits(ht, teacher.w, teacher.b, opts.teacher, t_dtype, None, via)
     del ht
     ls, s_parts = chunk_logits(hs, student.w, student.b, opts.student, s_dtype, None, via)
     g = grad_view(ls, student.w.dtype) if coef is not None else None
@@ -69,6 +79,39 @@ def _step(
     chunk_coef = None if coef is None else rows.take(coef)
     loss = distill_rows_triton(ls, lt, rows.take(labels), opts, grad=g, coef=chunk_coef, partials=partials)
     return loss, g, hs
+
+
+def start_head(
+    backend: Backend,
+    student: Side,
+    teacher: Side,
+    opts: DistillOptions,
+    *,
+    want_grad: bool,
+    budget_bytes: int,
+    keep: Tensor | None,
+) -> head_start.HeadStart | None:
+    """The first ``Tuning.head_start_gflop`` of the teacher's first logits chunk, launched before
+    the forward waits for its label check (``head_start.start``): over every row, or with
+    ``keep`` (the kept rows' mask) over the first kept ones. ``None`` where ``_step`` would not
+    make that chunk with the fused GEMM as launched here (a cast of the hidden states first, no
+    fused GEMM for this call, no rows)."""
+    fused = fused_logits_for(backend, opts)
+    hs, ht = student.hidden, teacher.hidden
+    if fused is None or hs.shape[0] == 0 or hs.dtype != student.w.dtype or ht.dtype != teacher.w.dtype:
+        return None
+    gathers = keep is not None
+    row_bytes = _row_bytes(backend, student.w.shape[0], student, teacher, opts, want_grad, gathers)
+    # Over the kept rows, whose count is not known yet, the first chunk has at most the rows the
+    # budget holds unrounded (what ``chunk_rows`` gives when they all fit in one chunk).
+    first = min(
+        chunk_rows(row_bytes, budget_bytes, 1, opts.student.tuning, 1 if gathers else hs.shape[0]),
+        hs.shape[0],
+    )
+    s_dtype, t_dtype = opts.logits_dtype_for(hs.dtype), opts.logits_dtype_for(ht.dtype)
+    if not fused.supported(hs[:first], student.w, s_dtype, opts.student.tuning):
+        return None
+    return head_start.start(ht, teacher.w, teacher.b, opts.teacher, t_dtype, backend, first, keep)
 
 
 def _row_bytes(
@@ -104,6 +147,12 @@ def _row_bytes(
     return max(teacher_gemm, kernel, gradients)
 
 
-def triton_math(backend: Backend) -> ChunkMath:
-    """The Triton backend's chunk work (``distillation_chunks.chunk_math``)."""
-    return ChunkMath(step=functools.partial(_step, backend), row_bytes=functools.partial(_row_bytes, backend))
+def triton_math(backend: Backend, head: head_start.HeadStart | None = None) -> ChunkMath:
+    """The Triton backend's chunk work (``distillation_chunks.chunk_math``); ``head`` goes to the
+    first chunk's step."""
+    heads = [] if head is None else [head]
+
+    def step(*args, **kwargs):
+        return _step(backend, *args, **kwargs, head=heads.pop() if heads else None)
+
+    return ChunkMath(step=step, row_bytes=functools.partial(_row_bytes, backend))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import _disable_current_modes
 
 import liger_patch as lp
-from liger_patch.ops import distillation_chunks, distillation_triton, gemm
+from liger_patch.ops import distillation_chunks, distillation_triton, gemm, head_start
 from liger_patch.ops.backends import pick
 from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES, working_bytes
 from liger_patch.ops.distillation_chunks import Head, Side, distill_chunk_rows, run_distill
@@ -68,7 +68,8 @@ OPTIONS = {
 
 @pytest.fixture
 def logits_calls(monkeypatch):
-    """For each logits chunk the Triton chunk made, whether the fused GEMM's partials came with it."""
+    """For each logits chunk the Triton chunk made (the teacher's first one possibly in parts by the
+    head start), whether the fused GEMM's partials came with it."""
     calls = []
     real = gemm.chunk_logits
 
@@ -78,6 +79,7 @@ def logits_calls(monkeypatch):
         return logits, partials
 
     monkeypatch.setattr(distillation_triton, "chunk_logits", counted)
+    monkeypatch.setattr(head_start, "chunk_logits", counted)
     return calls
 
 
