@@ -12,6 +12,14 @@ row kernel, no host sync. Two chunk plans are timed and the faster kept: the few
 equal rows (a multiple of 8), and the rows ours plans (``budget.plan_chunks``, read off a call).
 ``bound_gemms`` is the same without the elementwise pass.
 
+``--distill`` does the same for the distillation op (issue 30) at ``benchmarks/distill.py``'s
+twelve points, nothing ignored, two independent heads (the issue's setting): a chunk holds both
+sides' bf16 logits (at most B / (4 V) rows); per chunk the student's and the teacher's logits
+GEMMs, the 10 bytes a position the mixture's row math must move for 0 < beta < 1 (both logits read
+to sum the divergence before any gradient column is known, then both read again and the gradient
+written: here two reductions and one in-place add), grad_h and grad_W; the floor is
+``distill.py``'s four GEMMs over all tokens.
+
 Where ``bound`` is above 0.99 x torch.compile's time, a chunked method built on these GEMMs cannot
 be 1 % faster than torch.compile there; a faster one needs a GEMM faster than cuBLAS's at the
 chunk shapes (docs/perf-notes.md items 41-42 tried Triton ones) or more memory. Where it is below,
@@ -36,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import distill  # noqa: E402
 from common import MiB, bench, environment, fwd_bwd, make_inputs, need_cuda, time_floor, write_json  # noqa: E402
 from flce import IMPLS, reset_compiled  # noqa: E402
 from grid import GRID, GRID_INPUTS  # noqa: E402
@@ -124,6 +133,91 @@ def point_row(index: int, rounds: int, rep_ms: int) -> dict:
     return row
 
 
+def equal_distill_rows(n: int, v: int, budget: int) -> int:
+    """As ``equal_rows`` with both sides' bf16 logits in the budget."""
+    return equal_rows(n, 2 * v, budget)
+
+
+def chunked_distill(s_h, s_w, t_h, t_w, rows: int, elementwise: bool):
+    """The distillation bound's work for one call (the module docstring says what)."""
+    n, v = s_h.shape[0], s_w.shape[0]
+    buf_s = torch.empty(rows, v, device=s_h.device, dtype=s_h.dtype)
+    buf_t = torch.empty_like(buf_s)
+    grad_h = torch.empty_like(s_h)
+    grad_w = torch.empty_like(s_w)
+
+    def run():
+        for start in range(0, n, rows):
+            x = s_h[start : start + rows]
+            zs, zt = buf_s[: x.shape[0]], buf_t[: x.shape[0]]
+            torch.mm(x, s_w.t(), out=zs)
+            torch.mm(t_h[start : start + rows], t_w.t(), out=zt)
+            if elementwise:
+                zs.sum(dtype=torch.float32)
+                zt.sum(dtype=torch.float32)
+                zs.add_(zt)
+            torch.mm(zs, s_w, out=grad_h[start : start + rows])
+            if start == 0:
+                torch.mm(zs.t(), x, out=grad_w)
+            else:
+                grad_w.addmm_(zs.t(), x)
+
+    return run
+
+
+def distill_row(index: int, rounds: int, rep_ms: int) -> dict:
+    point = distill.POINTS[index]
+    s_h, s_w, labels, t_h, t_w = distill.make_distill_inputs(point, torch.bfloat16, 0.0, 0.0, "cuda")
+    rows = equal_distill_rows(point.n, point.v, BUDGET)
+    sd, wd = s_h.detach(), s_w.detach()
+    setting = distill.Setting(teacher=(t_h, t_w))
+    work = {
+        "bound": chunked_distill(sd, wd, t_h, t_w, rows, True),
+        "bound_gemms": chunked_distill(sd, wd, t_h, t_w, rows, False),
+        "ours": lambda: fwd_bwd(distill.bound("ours", setting), s_h, s_w, labels),
+    }
+    names = list(work)
+    floors, times = [], {k: [] for k in names}
+    for r in range(rounds):
+        floors.append(distill.time_floor(sd, wd, t_h, t_w, rep_ms))
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            work[name]()
+            times[name].append(bench(work[name], rep_ms))
+            s_h.grad = s_w.grad = None
+            torch.cuda.empty_cache()
+    x = {k: statistics.median([t / f for t, f in zip(ts, floors, strict=True)]) for k, ts in times.items()}
+    return {
+        "index": index,
+        "pair": point.pair,
+        "N": point.n,
+        "H_s": point.h_s,
+        "H_t": point.h_t,
+        "V": point.v,
+        "ignore_frac": 0.0,
+        "rows": rows,
+        "floor_ms": statistics.median(floors),
+        "ms": {k: statistics.median(ts) for k, ts in times.items()},
+        "x_floor": x,
+        "ms_rounds": times,
+        "within_1_15_possible": x["bound"] <= 1.15,
+    }
+
+
+def distill_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| pair | N | rows | ours | bound | bound, GEMMs only | 1.15x possible |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: r["index"]):
+        x = r["x_floor"]
+        lines.append(
+            f"| {r['pair']} | {r['N']} | {r['rows']} | {x['ours']:.3f} | {x['bound']:.3f} | "
+            f"{x['bound_gemms']:.3f} | {'yes' if r['within_1_15_possible'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     """One line a point: × the floor for ours, torch.compile and the bound, and what the bound allows."""
     lines = [
@@ -152,15 +246,17 @@ def merge(parts: list[Path], out: Path) -> None:
     result["rows"] = sorted((r for d in loaded for r in d["rows"]), key=lambda r: r["index"])
     write_json(out, result)
     head = f"{result['device']}, torch {result['torch']}, triton {result['triton']}"
+    table = distill_markdown(result["rows"]) if result.get("distill") else markdown(result["rows"])
     out.with_suffix(".md").write_text(
         f"{head}; × the floor, 0 % ignored, budget {BUDGET // MiB} MiB; "
-        "rows from `benchmarks/experiments/chunked_bound.py`\n\n" + markdown(result["rows"]) + "\n"
+        "rows from `benchmarks/experiments/chunked_bound.py`\n\n" + table + "\n"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default=None, help="grid indices I,J,... (default: every bf16 point)")
+    parser.add_argument("--distill", action="store_true", help="distill.py's points instead (issue 30)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rep-ms", type=int, default=150)
     parser.add_argument("--deadline-s", type=float, default=None, help="stop starting points after this")
@@ -172,17 +268,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not need_cuda("chunked_bound.py"):
         return 2
-    indices = [i for i, p in enumerate(GRID) if not p.amp]
+    indices = range(len(distill.POINTS)) if args.distill else [i for i, p in enumerate(GRID) if not p.amp]
     if args.points:
         indices = [int(i) for i in args.points.split(",")]
+    measure = distill_row if args.distill else point_row
     began = time.monotonic()
-    result = {**environment(), "budget_bytes": BUDGET, "rows": []}
+    result = {**environment(), "budget_bytes": BUDGET, "distill": args.distill, "rows": []}
     for index in indices:
         if args.deadline_s is not None and time.monotonic() - began > args.deadline_s:
             result["stopped_before"] = index
             break
-        result["rows"].append(point_row(index, args.rounds, args.rep_ms))
-        print({k: result["rows"][-1][k] for k in ("shape", "rows", "bound", "x_floor")}, flush=True)
+        result["rows"].append(measure(index, args.rounds, args.rep_ms))
+        print({k: result["rows"][-1][k] for k in ("index", "rows", "x_floor")}, flush=True)
         write_json(args.out, result)
     write_json(args.out, result)
     return 0
