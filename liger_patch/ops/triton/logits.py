@@ -218,7 +218,8 @@ def logits_with_partials(
     if interpret:
         programs = _INTERPRET_PROGRAMS
     else:
-        programs = torch.cuda.get_device_properties(h.device).multi_processor_count
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+        programs = sms * opts.tuning.logits_programs_per_sm
     programs = min(programs, n_tiles)
     descriptor = _tensor_descriptor()
     round_nearest = interpret and out.dtype == torch.bfloat16
