@@ -3,15 +3,10 @@ several tile configurations ``(BM, BN, BK, stages, warps)`` (``Tuning.logits_til
 
 Each chunk shape (rows, H, V) is timed with ``do_bench`` (median): cuBLAS ``mm`` into a bf16
 chunk, and ``logits_with_partials`` per tile configuration (a configuration that does not fit
-the GPU's shared memory, or fails to compile, gets its error). ``--chunks`` and ``--tiles`` take
-other lists; a tile configuration ``BMxBNxBKxSTAGESxWARPS@P`` runs P programs per SM
-(``Tuning.logits_programs_per_sm``), so that tiles small enough to share an SM overlap one
-program's epilogue with the other's mainloop.
+the GPU's shared memory, or fails to compile, gets its error).
 
     python benchmarks/experiments/logits_tiles_sweep.py \\
         --out benchmarks/experiments/results/logits_tiles_sweep.json
-    python benchmarks/experiments/logits_tiles_sweep.py --chunks 1536x896x151936,2048x2048x128256 \\
-        --tiles 128x256x64x3x8,128x128x64x2x4@2 --out ...
 """
 
 from __future__ import annotations
@@ -50,24 +45,13 @@ TILES = (
 )
 
 
-def parse_tiles(spec: str) -> tuple[tuple[int, int, int, int, int], int]:
-    """``BMxBNxBKxSTAGESxWARPS`` with an optional ``@P`` (programs per SM, default 1)."""
-    tiles, _, per_sm = spec.partition("@")
-    return tuple(int(x) for x in tiles.split("x")), int(per_sm or 1)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--chunks", default=None, help="ROWSxHxV,... (default: CHUNKS)")
-    p.add_argument("--tiles", default=None, help="BMxBNxBKxSTAGESxWARPS[@P],... (default: TILES)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    shapes = args.chunks.split(",") if args.chunks else None
-    chunks = CHUNKS if shapes is None else [tuple(map(int, c.split("x"))) for c in shapes]
-    configs = [(t, 1) for t in TILES] if args.tiles is None else list(map(parse_tiles, args.tiles.split(",")))
     result = {**environment(), "rows": []}
-    for rows, h, v in chunks:
+    for rows, h, v in CHUNKS:
         x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5 * 3
         out = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
@@ -77,9 +61,9 @@ def main(argv=None) -> int:
             "V": v,
             "cublas_ms": bench(lambda x=x, w=w, out=out: torch.mm(x, w.t(), out=out), args.rep_ms),
         }
-        for tiles, per_sm in configs:
-            opts = LossOptions(tuning=Tuning(logits_tiles=tiles, logits_programs_per_sm=per_sm))
-            key = "x".join(map(str, tiles)) + (f"@{per_sm}" if per_sm != 1 else "")
+        for tiles in TILES:
+            opts = LossOptions(tuning=Tuning(logits_tiles=tiles))
+            key = "x".join(map(str, tiles))
             try:
                 if not logits.supported(x, w, torch.bfloat16, opts.tuning):
                     row[key] = "not supported here"

@@ -32,10 +32,6 @@ class Tuning:
             a given block. Measured at V=128256: 8192 x 16 warps was the best of five.
         logits_tiles: the fused logits GEMM's ``(BM, BN, BK, stages, warps)``; item 19: the
             best of those tried on an H100 and an H200.
-        logits_programs_per_sm: programs of the fused logits GEMM's persistent grid per SM; two
-            of tiles small enough to share an SM let one program's epilogue (the rounding, the
-            store and the partials' exponentials) run while the other's mainloop keeps the
-            tensor cores busy.
         min_token_chunk_rows: below this many rows per token chunk the two-pass path computes
             grad_W instead: a grad_W GEMM over 512-row chunks already costs ~30 % more than one
             over all tokens, and each halving of the chunk adds a full extra pass over grad_W.
@@ -69,7 +65,6 @@ class Tuning:
     row_block: int = 8192
     row_warps: tuple[tuple[int, int], ...] = ((8192, 16), (2048, 8), (0, 4))
     logits_tiles: tuple[int, int, int, int, int] = (128, 256, 64, 3, 8)
-    logits_programs_per_sm: int = 1
     min_token_chunk_rows: int = 512
     chunk_rows: int | None = None
     two_pass: bool | None = None
@@ -83,9 +78,6 @@ class Tuning:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Tuning.{name} must be an int >= 0, got {value!r}")
-        per_sm = self.logits_programs_per_sm
-        if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
-            raise ValueError(f"Tuning.logits_programs_per_sm must be an int >= 1, got {per_sm!r}")
         if self.chunk_rows is not None and (
             isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1
         ):

@@ -218,8 +218,7 @@ def logits_with_partials(
     if interpret:
         programs = _INTERPRET_PROGRAMS
     else:
-        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        programs = sms * opts.tuning.logits_programs_per_sm
+        programs = torch.cuda.get_device_properties(h.device).multi_processor_count
     programs = min(programs, n_tiles)
     descriptor = _tensor_descriptor()
     round_nearest = interpret and out.dtype == torch.bfloat16
