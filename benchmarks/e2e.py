@@ -54,7 +54,7 @@ def make_config(family: str, config: dict):
 def build(row: str, variant: str):
     """The row's random-init bf16 model with the variant's patch, its AdamW, and one batch of ids."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     family, config_dict, batch, seq, checkpointing, amp = ROWS[row]
     if variant == "liger_kernel":
@@ -64,6 +64,11 @@ def build(row: str, variant: str):
         patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
     config = make_config(family, config_dict)
+    # The model's modules imported here, not under the device context below: imported there,
+    # torchaudio's kaldi module (which transformers' audio utilities import) makes its module-level
+    # eps tensor on the GPU, 4 bytes that stay allocated through every step of the variants that
+    # import transformers' modeling code no earlier (liger-kernel's patch imports it beforehand).
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     with torch.device("cuda"):  # initialise on the GPU: CPU init of 1B parameters takes longer than the run
         dtype = torch.float32 if amp else torch.bfloat16
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
