@@ -20,12 +20,13 @@ to sum the divergence before any gradient column is known, then both read again 
 written: here two reductions and one in-place add), grad_h and grad_W; the floor is
 ``distill.py``'s four GEMMs over all tokens.
 
-Where ``bound`` is above 0.99 x torch.compile's time, a chunked method built on these GEMMs cannot
-be 1 % faster than torch.compile there; a faster one needs a GEMM faster than cuBLAS's at the
-chunk shapes (docs/perf-notes.md items 41-42 tried Triton ones) or more memory. Where it is below,
-the difference between ``bound`` and ``ours`` is ours to close. bf16 points only (the AMP points
-add autocast's casts to every method). The floor, ``bound``, ours and torch.compile are timed once
-per round, each round starting with another one; medians.
+Where ``bound_best`` (the best round of either plan) is above 0.99 x torch.compile's median time,
+a chunked method built on these GEMMs cannot be 1 % faster than torch.compile there; a faster one
+needs a GEMM faster than cuBLAS's at the chunk shapes (docs/perf-notes.md items 41-42 tried
+Triton ones) or more memory. Where it is below, the difference between ``bound`` and ``ours`` is
+ours to close. bf16 points only (the AMP points add autocast's casts to every method). The floor,
+``bound``, ours and torch.compile are timed once per round, each round starting with another one;
+medians, and the bound's best round. The distillation part is judged the same way against 1.15x.
 
     python benchmarks/experiments/chunked_bound.py --rounds 2 \\
         --out benchmarks/experiments/results/chunked_bound.json
@@ -126,9 +127,13 @@ def point_row(index: int, rounds: int, rep_ms: int) -> dict:
         "x_floor": x,
         "ms_rounds": times,
     }
+    best = {k: min(t / f for t, f in zip(ts, floors, strict=True)) for k, ts in times.items()}
     row["bound"] = min(x["bound_equal"], x["bound_ours_plan"])
     row["bound_gemms"] = min(x["bound_gemms_equal"], x["bound_gemms_ours_plan"])
-    row["one_pct_ahead_possible"] = row["bound"] <= 0.99 * x["torch_compile"]
+    # the bound's best round of either plan against torch.compile's median: a chunked method
+    # would have to beat the bound's luckiest run by more than torch.compile's typical one
+    row["bound_best"] = min(best["bound_equal"], best["bound_ours_plan"])
+    row["one_pct_ahead_possible"] = row["bound_best"] <= 0.99 * x["torch_compile"]
     row["ours_ahead_by"] = 1 - x["ours"] / x["torch_compile"]
     return row
 
@@ -187,6 +192,7 @@ def distill_row(index: int, rounds: int, rep_ms: int) -> dict:
             s_h.grad = s_w.grad = None
             torch.cuda.empty_cache()
     x = {k: statistics.median([t / f for t, f in zip(ts, floors, strict=True)]) for k, ts in times.items()}
+    bound_best = min(t / f for t, f in zip(times["bound"], floors, strict=True))
     return {
         "index": index,
         "pair": point.pair,
@@ -200,19 +206,21 @@ def distill_row(index: int, rounds: int, rep_ms: int) -> dict:
         "ms": {k: statistics.median(ts) for k, ts in times.items()},
         "x_floor": x,
         "ms_rounds": times,
-        "within_1_15_possible": x["bound"] <= 1.15,
+        "bound_best": bound_best,
+        "within_1_15_possible": bound_best <= 1.15,
     }
 
 
 def distill_markdown(rows: list[dict]) -> str:
     lines = [
-        "| pair | N | rows | ours | bound | bound, GEMMs only | 1.15x possible |",
-        "|---|---|---|---|---|---|---|",
+        "| pair | N | rows | ours | bound | bound, best round | bound, GEMMs only | 1.15x possible |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["index"]):
         x = r["x_floor"]
         lines.append(
             f"| {r['pair']} | {r['N']} | {r['rows']} | {x['ours']:.3f} | {x['bound']:.3f} | "
+            f"{r.get('bound_best', x['bound']):.3f} | "
             f"{x['bound_gemms']:.3f} | {'yes' if r['within_1_15_possible'] else 'no'} |"
         )
     return "\n".join(lines)
@@ -221,16 +229,17 @@ def distill_markdown(rows: list[dict]) -> str:
 def markdown(rows: list[dict]) -> str:
     """One line a point: × the floor for ours, torch.compile and the bound, and what the bound allows."""
     lines = [
-        "| N, H, V | rows (equal / ours) | ours | torch.compile | bound | bound, GEMMs only "
-        "| 1 % ahead possible |",
-        "|---|---|---|---|---|---|---|",
+        "| N, H, V | rows (equal / ours) | ours | torch.compile | bound | bound, best round "
+        "| bound, GEMMs only | 1 % ahead possible |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["index"]):
         x = r["x_floor"]
         shape = f"{r['N']}, {r['H']}, {r['V']}" + (", softcap" if r["softcap"] else "")
         lines.append(
             f"| {shape} | {r['rows']['equal']} / {r['rows']['ours_plan']} | {x['ours']:.3f} | "
-            f"{x['torch_compile']:.3f} | {r['bound']:.3f} | {r['bound_gemms']:.3f} | "
+            f"{x['torch_compile']:.3f} | {r['bound']:.3f} | {r.get('bound_best', r['bound']):.3f} | "
+            f"{r['bound_gemms']:.3f} | "
             f"{'yes' if r['one_pct_ahead_possible'] else 'no'} |"
         )
     return "\n".join(lines)
