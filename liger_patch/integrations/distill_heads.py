@@ -35,6 +35,7 @@ import torch.nn as nn
 from liger_patch.ops.distillation import fused_linear_distillation
 from liger_patch.ops.distillation_vocab_parallel import vocab_parallel_distillation
 from liger_patch.ops.logprobs import fused_linear_logprobs, temperature_options
+from liger_patch.ops.tuning import DEFAULT_TUNING
 from liger_patch.ops.vocab_parallel import VocabShard, vocab_parallel_loss
 from liger_patch.patching.sharded_head import (
     HeadShard,
@@ -117,7 +118,10 @@ def _entropy(
         options["temperature"], options.get("student_logit_scale"), options.get("student_softcap")
     )
     runtime = dict(
-        backend=backend, memory_budget=options["memory_budget"], logits_dtype=options.get("logits_dtype")
+        backend=backend,
+        memory_budget=options["memory_budget"],
+        logits_dtype=options.get("logits_dtype"),
+        tuning=options.get("tuning", DEFAULT_TUNING),
     )
     with torch.no_grad():
         if found is None:

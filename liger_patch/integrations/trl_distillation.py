@@ -221,9 +221,9 @@ def _owner(root: nn.Module | None, weight: torch.Tensor) -> nn.Module | None:
 
 def distill_runtime(state: PatchState) -> dict[str, Any]:
     """The patch's runtime options as the distillation op takes them: its memory budget (the
-    batch budget of a training step when none is named) and its backend."""
+    batch budget of a training step when none is named), its backend and its ``Tuning``."""
     budget = state.budget_changes().get("memory_budget", state.options.memory_budget)
-    return dict(backend=state.options.backend, memory_budget=budget)
+    return dict(backend=state.options.backend, memory_budget=budget, tuning=state.options.tuning)
 
 
 def is_sharded(*tensors: Any) -> bool:

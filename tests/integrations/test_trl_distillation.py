@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GraniteConfig  # no
 from liger_patch import LigerPatchCallback, apply_liger_to  # noqa: E402
 from liger_patch.integrations import trl_distillation, trl_gkd  # noqa: E402
 from liger_patch.ops.distillation_options import DistillOptions  # noqa: E402
+from liger_patch.ops.tuning import Tuning  # noqa: E402
 from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -422,6 +423,24 @@ def test_divergence_falls_back_to_trls_with_the_reason(op_calls, monkeypatch, ch
     with pytest.warns(LigerBypassWarning, match=reason):
         assert _Caller(model).divergence(**inputs, beta=0.5) == "trl"
     assert not op_calls
+
+
+def test_the_patch_tuning_reaches_the_op(monkeypatch):
+    """The patch's ``Tuning`` (how the op runs) is what both hooks pass (``distill_runtime``),
+    not the default one."""
+    tuning = Tuning(head_start_gflop=0.0, row_block=1024)
+    seen = []
+    operator = torch.ops.liger_patch.fused_distill
+
+    def recorded(*args):
+        seen.append(DistillOptions.from_key(next(a for a in args if isinstance(a, str))).tuning)
+        return operator(*args)
+
+    monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", recorded)
+    model = apply_liger_to(tiny_model(seed=4), tuning=tuning, **CALLBACK)
+    assert trl_distillation.distill_runtime(model._liger_patch_state)["tuning"] == tuning
+    _Caller(model).divergence(**_divergence_inputs(False, (1.0, 1.0), (None, None)), beta=0.5)
+    assert seen == [tuning]
 
 
 def test_loss_options_of_the_patch_are_said_not_to_apply(op_calls):
