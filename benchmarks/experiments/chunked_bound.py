@@ -79,13 +79,19 @@ def chunked_gemms(hidden: torch.Tensor, weight: torch.Tensor, rows: int, element
             torch.mm(x, weight.t(), out=g)
             if elementwise:
                 g.mul_(0.5)
-            torch.mm(g, weight, out=grad_h[start : start + rows])
-            if start == 0:
-                torch.mm(g.t(), x, out=grad_w)
-            else:
-                grad_w.addmm_(g.t(), x)
+            gradient_gemms(g, x, weight, grad_h[start : start + rows], grad_w, start == 0)
 
     return run
+
+
+def gradient_gemms(g, x, weight, grad_h_rows, grad_w, first: bool) -> None:
+    """One chunk's two gradient GEMMs: grad_h's rows, and grad_W overwritten by the first chunk,
+    accumulated after it."""
+    torch.mm(g, weight, out=grad_h_rows)
+    if first:
+        torch.mm(g.t(), x, out=grad_w)
+    else:
+        grad_w.addmm_(g.t(), x)
 
 
 def point_row(index: int, rounds: int, rep_ms: int) -> dict:
@@ -170,11 +176,7 @@ def chunked_distill(s_h, s_w, t_h, t_w, rows: int, elementwise: bool):
                 zs.sum(dtype=torch.float32)
                 zt.sum(dtype=torch.float32)
                 zs.add_(zt)
-            torch.mm(zs, s_w, out=grad_h[start : start + rows])
-            if start == 0:
-                torch.mm(zs.t(), x, out=grad_w)
-            else:
-                grad_w.addmm_(zs.t(), x)
+            gradient_gemms(zs, x, s_w, grad_h[start : start + rows], grad_w, start == 0)
 
     return run
 

@@ -69,19 +69,25 @@ def op_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def op_logits_dtypes(monkeypatch):
-    """The ``logits_dtype`` of each call of the registered distillation operator (its options
+def _record_op_option(monkeypatch, name: str) -> list:
+    """The option ``name`` of each call of the registered distillation operator (its options
     travel as one key, the only string argument)."""
     seen = []
     operator = torch.ops.liger_patch.fused_distill
 
     def recorded(*args):
-        seen.append(DistillOptions.from_key(next(a for a in args if isinstance(a, str))).logits_dtype)
+        options = DistillOptions.from_key(next(a for a in args if isinstance(a, str)))
+        seen.append(getattr(options, name))
         return operator(*args)
 
     monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", recorded)
     return seen
+
+
+@pytest.fixture
+def op_logits_dtypes(monkeypatch):
+    """The ``logits_dtype`` of each call of the registered distillation operator."""
+    return _record_op_option(monkeypatch, "logits_dtype")
 
 
 @pytest.fixture
@@ -429,14 +435,7 @@ def test_the_patch_tuning_reaches_the_op(monkeypatch):
     """The patch's ``Tuning`` (how the op runs) is what both hooks pass (``distill_runtime``),
     not the default one."""
     tuning = Tuning(head_start_gflop=0.0, row_block=1024)
-    seen = []
-    operator = torch.ops.liger_patch.fused_distill
-
-    def recorded(*args):
-        seen.append(DistillOptions.from_key(next(a for a in args if isinstance(a, str))).tuning)
-        return operator(*args)
-
-    monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", recorded)
+    seen = _record_op_option(monkeypatch, "tuning")
     model = apply_liger_to(tiny_model(seed=4), tuning=tuning, **CALLBACK)
     assert trl_distillation.distill_runtime(model._liger_patch_state)["tuning"] == tuning
     _Caller(model).divergence(**_divergence_inputs(False, (1.0, 1.0), (None, None)), beta=0.5)
