@@ -84,6 +84,18 @@ def arithmetic_preferences(n: int) -> Dataset:
     )
 
 
+def arithmetic_labelled(n: int) -> Dataset:
+    """``n`` prompts, each with a right and a wrong completion in turn, labelled desirable or not
+    (TRL's unpaired preference format: KTO)."""
+    return Dataset.from_list(
+        [
+            {"prompt": row["prompt"], "completion": row[side], "label": side == "chosen"}
+            for row in arithmetic_preferences(n)
+            for side in ("chosen", "rejected")
+        ]
+    )
+
+
 def arithmetic_prompts(n: int) -> Dataset:
     """``n`` prompts (GRPO)."""
     return Dataset.from_list([{"prompt": f"What is {i} + {i}? "} for i in range(n)])

@@ -1,4 +1,5 @@
-"""TRL's trainers through the fused op: SFT, DPO and GRPO, unmodified, with ``LigerPatchCallback``.
+"""TRL's trainers through the fused op: SFT, DPO, KTO, GRPO and RLOO, unmodified, with
+``LigerPatchCallback``.
 
 Each test trains the same tiny model from the same seed twice, once as TRL runs it and once
 with the callback, and checks that the op computed the log-probs (its calls counted), that
@@ -24,6 +25,7 @@ from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from tiny_trl import (  # noqa: E402
     arithmetic_chats,
+    arithmetic_labelled,
     arithmetic_preferences,
     arithmetic_prompts,
     digit_reward,
@@ -151,16 +153,25 @@ def test_sft_with_lora(tmp_path, op_calls):
     _assert_same_run(reference, ours, METRICS)
 
 
-# ---------------------------------------------------------------- DPO
+# ---------------------------------------------------------------- DPO and KTO
 
 
-def _dpo(tmp_path, **config):
+def _trl_classes(trainer: str):
+    """TRL's trainer and config classes of ``trainer`` ("dpo" -> DPOTrainer, DPOConfig)."""
+    return getattr(trl, f"{trainer.upper()}Trainer"), getattr(trl, f"{trainer.upper()}Config")
+
+
+def _dpo(tmp_path, trainer="dpo", **config):
+    """A preference trainer with a reference model: DPO on preference pairs, KTO on the same
+    completions unpaired and labelled."""
+    trainer_class, config_class = _trl_classes(trainer)
+
     def make(callbacks):
-        return trl.DPOTrainer(
+        return trainer_class(
             model=tiny_model(seed=2),
             ref_model=tiny_model(seed=2),
-            args=trl.DPOConfig(**_common(tmp_path, **config)),
-            train_dataset=arithmetic_preferences(24),
+            args=config_class(**_common(tmp_path, **config)),
+            train_dataset=arithmetic_preferences(24) if trainer == "dpo" else arithmetic_labelled(24),
             processing_class=tiny_tokenizer(),
             callbacks=callbacks,
         )
@@ -182,6 +193,20 @@ def test_dpo_log_probs_come_from_the_op(tmp_path, op_calls):
     _assert_same_run(reference, ours, (*DPO_KEYS, "grad_norm"))
 
 
+KTO_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+KTO_KEYS += ("logits/chosen", "logits/rejected", "kl", "entropy", "loss", "grad_norm")
+
+
+def test_kto_log_probs_and_kl_come_from_the_op(tmp_path, op_calls):
+    config = dict(gradient_accumulation_steps=2, beta=0.5)
+    reference = _train(_dpo(tmp_path / "trl", trainer="kto", **config), patched=False)
+    ours = _train(_dpo(tmp_path / "ours", trainer="kto", **config), patched=True)
+    # per micro-batch the policy's completions and its mismatched (KL) pairs; the unpatched
+    # reference model stays on TRL's kernel
+    assert len(op_calls) == 12, op_calls
+    _assert_same_run(reference, ours, KTO_KEYS)
+
+
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_trls_default_bf16_autocast(tmp_path, op_calls, trainer):
     """As users run it: TRL's configs default to ``bf16=True`` (autocast; on the CPU too). Both
@@ -194,10 +219,10 @@ def test_trls_default_bf16_autocast(tmp_path, op_calls, trainer):
     _assert_same_run(reference, ours, METRICS if trainer == "sft" else (*DPO_KEYS, "grad_norm"), tol=BF16)
 
 
-# ---------------------------------------------------------------- GRPO
+# ---------------------------------------------------------------- GRPO and RLOO
 
 
-def _grpo(tmp_path, **config):
+def _grpo(tmp_path, trainer="grpo", **config):
     # by path, as users pass it: GRPO loads its reference model (beta > 0) from the same name
     checkpoint = tmp_path / "checkpoint"
     tiny_model(seed=3).save_pretrained(checkpoint)
@@ -205,10 +230,11 @@ def _grpo(tmp_path, **config):
 
     def make(callbacks):
         torch.manual_seed(0)
-        return trl.GRPOTrainer(
+        trainer_class, config_class = _trl_classes(trainer)
+        return trainer_class(
             model=str(checkpoint),
             reward_funcs=digit_reward,
-            args=trl.GRPOConfig(
+            args=config_class(
                 **_common(
                     tmp_path,
                     per_device_train_batch_size=4,
@@ -228,9 +254,10 @@ def _grpo(tmp_path, **config):
     return make
 
 
-def test_grpo_log_probs_and_entropy_come_from_the_op(tmp_path, op_calls):
-    reference = _train(_grpo(tmp_path / "trl"), patched=False)
-    ours = _train(_grpo(tmp_path / "ours"), patched=True)
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_grpo_log_probs_and_entropy_come_from_the_op(tmp_path, op_calls, trainer):
+    reference = _train(_grpo(tmp_path / "trl", trainer), patched=False)
+    ours = _train(_grpo(tmp_path / "ours", trainer), patched=True)
     assert len(op_calls) >= 2, op_calls  # the policy's log-probs and entropy in each step
     _assert_same_run(reference, ours, ("loss", "entropy", "kl", "reward", "grad_norm"))
 
