@@ -1,5 +1,5 @@
 """TRL's trainers through the fused op: SFT, DPO, KTO, GRPO and RLOO, unmodified, with
-``LigerPatchCallback``.
+``LigerPatchCallback``; and ORPO and CPO, which take the logits, unfused and warned.
 
 Each test trains the same tiny model from the same seed twice, once as TRL runs it and once
 with the callback, and checks that the op computed the log-probs (its calls counted), that
@@ -9,6 +9,7 @@ losses, metrics and the trained weights agree, and that nothing was warned. TRL'
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -71,13 +72,17 @@ def _common(tmp_path, **overrides):
     return base
 
 
-def _train(make_trainer, patched: bool):
-    """Log history and trained parameters of one run; warnings of ours are errors."""
+def _train(make_trainer, patched: bool, bypassed: bool = False):
+    """Log history and trained parameters of one run. Warnings of ours are errors; with
+    ``bypassed`` (a trainer that takes its loss from the logits) exactly one is expected."""
     callbacks = [LigerPatchCallback(**CALLBACK)] if patched else []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LigerBypassWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always" if bypassed else "error", LigerBypassWarning)
         trainer = make_trainer(callbacks)
         trainer.train()
+    if bypassed:
+        said = [w.message for w in caught if issubclass(w.category, LigerBypassWarning)]
+        assert len(said) == 1, said
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     return trainer.state.log_history, params
 
@@ -260,6 +265,45 @@ def test_grpo_log_probs_and_entropy_come_from_the_op(tmp_path, op_calls, trainer
     ours = _train(_grpo(tmp_path / "ours", trainer), patched=True)
     assert len(op_calls) >= 2, op_calls  # the policy's log-probs and entropy in each step
     _assert_same_run(reference, ours, ("loss", "entropy", "kl", "reward", "grad_norm"))
+
+
+# ---------------------------------------------------------------- trainers that take the logits
+
+
+def _logits_trainer(tmp_path, trainer, **config):
+    """One of TRL's experimental preference trainers that compute their loss from the model's
+    logits (no fused head, no reference model)."""
+    module = importlib.import_module(f"trl.experimental.{trainer}")
+    trainer_class, config_class = (
+        getattr(module, f"{trainer.upper()}{kind}") for kind in ("Trainer", "Config")
+    )
+
+    def make(callbacks):
+        return trainer_class(
+            model=tiny_model(seed=6),
+            args=config_class(**_common(tmp_path, **config)),
+            train_dataset=arithmetic_preferences(24),
+            processing_class=tiny_tokenizer(),
+            callbacks=callbacks,
+        )
+
+    return make
+
+
+LOGITS_KEYS = ("loss", "nll_loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+LOGITS_KEYS += ("logits/chosen", "logits/rejected", "grad_norm")
+
+
+@pytest.mark.parametrize("trainer", ["orpo", "cpo"])
+def test_trainers_taking_the_logits_train_as_without_the_patch_and_say_so(tmp_path, op_calls, trainer):
+    """ORPO and CPO call the model without labels and take their losses from its logits: the
+    patched model hands them the full logits, so they train exactly as without the patch
+    (unfused), and one ``LigerBypassWarning`` says so."""
+    config = dict(gradient_accumulation_steps=2)
+    reference = _train(_logits_trainer(tmp_path / "trl", trainer, **config), patched=False)
+    ours = _train(_logits_trainer(tmp_path / "ours", trainer, **config), patched=True, bypassed=True)
+    assert not op_calls
+    _assert_same_run(reference, ours, LOGITS_KEYS)
 
 
 # ---------------------------------------------------------------- the hook itself
