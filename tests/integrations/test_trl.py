@@ -161,9 +161,10 @@ def test_sft_with_lora(tmp_path, op_calls):
 # ---------------------------------------------------------------- DPO and KTO
 
 
-def _trl_classes(trainer: str):
-    """TRL's trainer and config classes of ``trainer`` ("dpo" -> DPOTrainer, DPOConfig)."""
-    return getattr(trl, f"{trainer.upper()}Trainer"), getattr(trl, f"{trainer.upper()}Config")
+def _trl_classes(trainer: str, module=trl):
+    """The trainer and config classes of ``trainer`` in ``module`` (TRL's top level unless
+    given): "dpo" -> DPOTrainer, DPOConfig."""
+    return getattr(module, f"{trainer.upper()}Trainer"), getattr(module, f"{trainer.upper()}Config")
 
 
 def _dpo(tmp_path, trainer="dpo", **config):
@@ -273,9 +274,8 @@ def test_grpo_log_probs_and_entropy_come_from_the_op(tmp_path, op_calls, trainer
 def _logits_trainer(tmp_path, trainer, **config):
     """One of TRL's experimental preference trainers that compute their loss from the model's
     logits (no fused head, no reference model)."""
-    module = importlib.import_module(f"trl.experimental.{trainer}")
-    trainer_class, config_class = (
-        getattr(module, f"{trainer.upper()}{kind}") for kind in ("Trainer", "Config")
+    trainer_class, config_class = _trl_classes(
+        trainer, importlib.import_module(f"trl.experimental.{trainer}")
     )
 
     def make(callbacks):
