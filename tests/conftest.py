@@ -21,10 +21,32 @@ except ImportError as exc:  # a pytest from another environment than the one pip
         "the pytest of the environment you installed into (README, Set-up)"
     ) from exc
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # Triton reads TRITON_INTERPRET when a kernel is defined, and inductor defines its helpers
+    # (triton_helpers) at import: were that import to happen inside a test that sets the flag,
+    # every later torch.compile in this worker would fail ("Unsupported function referenced:
+    # InterpretedFunction"). On a GPU machine they are defined here, natively, first.
+    import torch._inductor.runtime.triton_helpers  # noqa: F401
+
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist, each worker (and each process a test starts: distributed ranks, the
+    demo, the examples) gets its share of the cores instead of one thread per core each: 16
+    workers on 16 cores otherwise ran 256 threads, and CPU-bound tests took 5-10x longer (the
+    verification sweep and the distributed ranks ran past any timeout)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    share = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_cores_between_workers()
 
 
 def _register_hypothesis_profiles() -> None:

@@ -32,6 +32,11 @@ SIZE_SCENARIOS = ("fsdp2_head_unit", "zero3", *(("tp_tp",) if transformers_has_d
 SIZE = {(scenario, trainer) for scenario in SIZE_SCENARIOS for trainer in ("distillation", "gkd")}
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("distill_dist_gpu")

@@ -48,8 +48,9 @@ def run_workers(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",
     )
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() < world_size:  # the ranks run on CPU (gloo)
         env.setdefault("OMP_NUM_THREADS", "1")  # CI has 2 cores for 2 ranks
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes shows its Python stack
     procs, logs = [], []
     for rank in range(world_size):
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
@@ -66,6 +67,7 @@ def run_workers(
         )
         logs.append(log)
     deadline = time.monotonic() + timeout
+    failure = ""  # also when pytest-timeout's exception ends the wait below
     try:
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -76,8 +78,6 @@ def run_workers(
             time.sleep(0.2)
     except TimeoutError as error:
         failure = str(error)
-    else:
-        failure = ""
     finally:
         for proc in procs:
             if proc.poll() is None and not failure:

@@ -25,6 +25,11 @@ VARIANTS = ["zero3", "zero3_init", "accelerate_zero3"]
 TOL = tolerances(torch.float32)
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("deepspeed")

@@ -27,6 +27,11 @@ if transformers_has_distributed_config():
     TWO_RANKS += ["tp_plan", "tp_plan_tied"]
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("tensor_parallel")

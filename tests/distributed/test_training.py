@@ -35,6 +35,11 @@ FSDP2_SCENARIOS = [name for name in SCENARIOS if "fsdp2" in name]
 TRAINER_SCENARIOS = ["trainer_ddp", "trainer_fsdp2"] if TWO_GPUS else ["trainer_ddp"]
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("distributed")

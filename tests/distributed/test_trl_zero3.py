@@ -29,6 +29,11 @@ PARAM_ATOL = 1e-6
 HEAD_NUMEL = TINY_CONFIG["vocab_size"] * TINY_CONFIG["hidden_size"]
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("trl_zero3")

@@ -41,6 +41,11 @@ def _launch(tmp_path_factory, launch: str) -> list[dict]:
     return torch.load(out / f"{launch}.pt", weights_only=False)
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def torch_results(tmp_path_factory) -> list[dict]:
     return _launch(tmp_path_factory, "torch")

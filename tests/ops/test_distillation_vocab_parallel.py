@@ -27,6 +27,11 @@ from tests.ops.distillation_vocab_parallel_workers import CASES
 TOL = {torch.float32: dict(rtol=5e-5, atol=2e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("distillation_vocab_parallel")

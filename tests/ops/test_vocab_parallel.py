@@ -38,6 +38,11 @@ TRITON_CASES = [name for name, case in CASES.items() if case.get("backend") == "
 RUN_CASES = [n for n in CASES if n not in TRITON_CASES] if torch.cuda.is_available() else list(CASES)
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vocab_parallel")

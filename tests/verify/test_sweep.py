@@ -44,6 +44,11 @@ def committed_results() -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+# Its module-scoped fixture (processes launched, or a sweep) runs once per pytest-xdist worker
+# that gets one of its tests: under `-n N --dist loadgroup` they all go to one worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
 @pytest.fixture(scope="module")
 def sweep_verdicts() -> list[Verdict]:
     """The whole sweep, on the torch backend: it checks the patching of ~280 types; the Triton
