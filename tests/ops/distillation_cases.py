@@ -106,10 +106,30 @@ def reference_distill(
 # ---------------------------------------------------------------- cases
 
 
+def on_device(case: dict, device) -> dict:
+    """The case's tensors moved to ``device`` (the student's float tensors new leaves that require
+    grad as before). Cases are drawn on the CPU from a seeded generator, so a test draws the same
+    values on every device."""
+    return {
+        k: v if v is None else v.detach().to(device).requires_grad_(v.requires_grad) for k, v in case.items()
+    }
+
+
 def make_case(
-    gen, lead=LEAD, hs=HS, ht=HT, vocab=V, *, dtype=torch.float32, bias=True, ignore="mixed", spread=2.5
+    gen,
+    lead=LEAD,
+    hs=HS,
+    ht=HT,
+    vocab=V,
+    *,
+    dtype=torch.float32,
+    bias=True,
+    ignore="mixed",
+    spread=2.5,
+    device="cpu",
 ):
-    """Student and teacher tensors (the student's require grad), labels with ``ignore`` tokens."""
+    """Student and teacher tensors on ``device`` (the student's require grad), labels with
+    ``ignore`` tokens."""
     n = math.prod(lead)
 
     def rand(*shape, scale=1.0):
@@ -117,7 +137,7 @@ def make_case(
 
     labels = torch.randint(0, vocab, (n,), generator=gen)
     labels[ignore_mask(ignore, n, gen)] = -100
-    return dict(
+    case = dict(
         student_hidden=rand(*lead, hs).requires_grad_(),
         student_weight=rand(vocab, hs, scale=spread / math.sqrt(hs)).requires_grad_(),
         teacher_hidden=rand(*lead, ht),
@@ -126,9 +146,12 @@ def make_case(
         student_bias=rand(vocab, scale=0.5).requires_grad_() if bias else None,
         teacher_bias=rand(vocab, scale=0.5) if bias else None,
     )
+    return on_device(case, device)
 
 
-def correlated_case(gen, n: int, hidden: int, vocab: int, rho: float, dtype=torch.bfloat16, spread=4.0):
+def correlated_case(
+    gen, n: int, hidden: int, vocab: int, rho: float, dtype=torch.bfloat16, spread=4.0, device="cpu"
+):
     """A student and a teacher that read the same hidden states through weights correlated at
     ``rho`` (the teacher's ``rho W_s + sqrt(1 - rho^2) W_noise``), so their logits agree closely
     and the divergence's gradient p_s - p_t is a small difference; every fifth token ignored."""
@@ -137,7 +160,7 @@ def correlated_case(gen, n: int, hidden: int, vocab: int, rho: float, dtype=torc
     hidden_states = torch.randn(n, hidden, generator=gen).to(dtype)
     labels = torch.randint(0, vocab, (n,), generator=gen)
     labels[::5] = -100
-    return dict(
+    case = dict(
         student_hidden=hidden_states.clone().requires_grad_(),
         student_weight=student_weight.to(dtype).requires_grad_(),
         teacher_hidden=hidden_states,
@@ -146,6 +169,7 @@ def correlated_case(gen, n: int, hidden: int, vocab: int, rho: float, dtype=torc
         student_bias=None,
         teacher_bias=None,
     )
+    return on_device(case, device)
 
 
 def with_dtype(case: dict, dtype: torch.dtype) -> dict:
@@ -271,7 +295,7 @@ def check(case, gen, *, backend="torch", tol=FP32, rows=4, upstream=None, **opts
     ref_loss = reference_distill(**ref_case, **opts)
     if upstream is None:
         upstream = torch.rand(ref_loss.shape, generator=gen, dtype=torch.float64) + 0.5
-    upstream = torch.as_tensor(upstream, dtype=torch.float64)
+    upstream = torch.as_tensor(upstream, dtype=torch.float64).to(ref_loss.device)
     ref, ref_grads = loss_and_grads(reference_distill, ref_case, upstream, **opts)
     floors = rounding_floors(ref_case, upstream, opts)
     budget = budget_for(rows, case, backend, **{k: v for k, v in opts.items() if k in MATH_OPTIONS})

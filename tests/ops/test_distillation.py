@@ -1,6 +1,11 @@
 """``fused_linear_distillation`` against an fp64 dense reference (values and the student's
 gradients), which is itself checked against TRL's own ``generalized_jsd_loss``, on both backends
-(``backend``: the Triton one under the interpreter on the CPU).
+(``backend``) and on ``device``: the Triton backend runs its kernels natively on CUDA tensors where
+there is a GPU, and under the Triton interpreter on CPU tensors otherwise (tests/conftest.py sets
+TRITON_INTERPRET=1 only without CUDA). Cases are drawn on the CPU from the seeded generator and
+moved, so a test sees the same values on every device. The few tests about the CPU itself (CPU
+arithmetic, allocations counted on the CPU, the torch backend's fp32 logits) run the torch
+backend on CPU tensors, which works on any machine.
 
 Sizes are odd and chunks are forced small through ``memory_budget`` (``budget_for``), so every
 case runs several chunks and a remainder; ignored tokens make the chunks walk a kept-row index.
@@ -45,6 +50,9 @@ from tests.ops.distillation_cases import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+# Hypothesis tests cannot take function-scoped fixtures: the ``device`` fixture's device, by hand.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -111,8 +119,9 @@ OPTION_SETS = {
 @pytest.mark.parametrize("options", list(OPTION_SETS), ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("beta", BETAS)
-def test_matches_reference(gen, backend, beta, reduction, options):
-    check(make_case(gen), gen, backend=backend, beta=beta, reduction=reduction, **OPTION_SETS[options])
+def test_matches_reference(gen, backend, device, beta, reduction, options):
+    case = make_case(gen, device=device)
+    check(case, gen, backend=backend, beta=beta, reduction=reduction, **OPTION_SETS[options])
 
 
 @examples(0.1)
@@ -134,7 +143,7 @@ def test_matches_reference_drawn(
 ):
     gen = torch.Generator().manual_seed(seed)
     n, hs, ht, vocab = sizes
-    case = make_case(gen, (n,), hs, ht, vocab, bias=bool(seed % 2), ignore=ignore)
+    case = make_case(gen, (n,), hs, ht, vocab, bias=bool(seed % 2), ignore=ignore, device=DEVICE)
     opts = dict(
         beta=beta,
         temperature=temperature,
@@ -152,14 +161,15 @@ def test_matches_reference_drawn(
 
 
 @pytest.mark.parametrize("ignore", [*IGNORE_PATTERNS, "mixed"])
-def test_ignored_tokens_anywhere(gen, backend, ignore):
-    check(make_case(gen, ignore=ignore), gen, backend=backend, beta=0.5, ce_weight=0.2, reduction="mean")
+def test_ignored_tokens_anywhere(gen, backend, device, ignore):
+    case = make_case(gen, ignore=ignore, device=device)
+    check(case, gen, backend=backend, beta=0.5, ce_weight=0.2, reduction="mean")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_all_ignored_is_exactly_zero(gen, backend, beta, reduction):
-    case = make_case(gen, ignore="all")
+def test_all_ignored_is_exactly_zero(gen, backend, device, beta, reduction):
+    case = make_case(gen, ignore="all", device=device)
     opts = dict(beta=beta, reduction=reduction, ce_weight=0.5, backend=backend)
     loss = lp.fused_linear_distillation(**case, **opts)
     assert torch.equal(loss, torch.zeros_like(loss)) and loss.requires_grad
@@ -168,8 +178,8 @@ def test_all_ignored_is_exactly_zero(gen, backend, beta, reduction):
         assert torch.equal(case[name].grad, torch.zeros_like(case[name])), name
 
 
-def test_no_tokens(gen, backend):
-    case = make_case(gen, lead=(0,))
+def test_no_tokens(gen, backend, device):
+    case = make_case(gen, lead=(0,), device=device)
     loss = lp.fused_linear_distillation(**case, beta=0.5, backend=backend)
     assert loss.item() == 0.0
     loss.backward()
@@ -177,13 +187,14 @@ def test_no_tokens(gen, backend):
 
 
 @pytest.mark.parametrize("num_items", [5, 23.5, "int_tensor", "float_tensor"])
-def test_num_items_in_batch(gen, backend, num_items):
-    value = {"int_tensor": torch.tensor(17), "float_tensor": torch.tensor(9.5)}.get(num_items, num_items)
-    check(make_case(gen), gen, backend=backend, beta=0.3, num_items_in_batch=value)
+def test_num_items_in_batch(gen, backend, device, num_items):
+    tensors = {"int_tensor": torch.tensor(17), "float_tensor": torch.tensor(9.5)}
+    value = tensors[num_items].to(device) if num_items in tensors else num_items
+    check(make_case(gen, device=device), gen, backend=backend, beta=0.3, num_items_in_batch=value)
 
 
-def test_num_items_zero_with_nothing_kept(gen):
-    case = make_case(gen, ignore="all")
+def test_num_items_zero_with_nothing_kept(gen, device):
+    case = make_case(gen, ignore="all", device=device)
     loss = lp.fused_linear_distillation(**case, num_items_in_batch=0)
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(case["student_hidden"].grad).all()
@@ -194,9 +205,9 @@ def test_num_items_zero_with_nothing_kept(gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_half_precision(gen, backend, dtype, reduction):
+def test_half_precision(gen, backend, device, dtype, reduction):
     """fp16 takes the recompute path for every reduction; bf16 precomputes with "mean"."""
-    case = make_case(gen, dtype=dtype)
+    case = make_case(gen, dtype=dtype, device=device)
     check(case, gen, backend=backend, tol=TOL[dtype], beta=0.5, ce_weight=0.2, reduction=reduction)
 
 
@@ -232,23 +243,23 @@ def test_torch_backend_keeps_fp32_logits_whatever_logits_dtype_says(gen):
     assert "logits_dtype=torch.float32" in repr(lp.FusedLinearDistillationLoss(logits_dtype=torch.float32))
 
 
-def test_fp16_gradients_under_a_loss_scale(gen, backend):
+def test_fp16_gradients_under_a_loss_scale(gen, backend, device):
     """fp16 gradients are computed with the upstream gradient (a GradScaler's 2^16) already in:
     computed at scale 1 and rounded to fp16 first, these small ones would flush to zero."""
-    case = make_case(gen, dtype=torch.float16)
+    case = make_case(gen, dtype=torch.float16, device=device)
     tol = TOL[torch.float16]
     check(case, gen, backend=backend, tol=tol, beta=0.5, num_items_in_batch=3e5, upstream=65536.0)
 
 
-def test_autocast(gen, backend):
-    """Under CPU autocast the fp32 tensors are used as bf16, as nn.Linear would use them; the
-    gradients come back in fp32."""
-    case = make_case(gen)
+def test_autocast(gen, backend, device):
+    """Under bf16 autocast of the inputs' device (CPU or CUDA) the fp32 tensors are used as bf16,
+    as nn.Linear would use them; the gradients come back in fp32."""
+    case = make_case(gen, device=device)
     rounded = with_dtype(with_dtype(case, torch.bfloat16), torch.float32)
-    up = torch.tensor(1.3)
+    up = torch.tensor(1.3, device=device)
     opts = dict(beta=0.3, temperature=1.5)
     ref, ref_grads = loss_and_grads(reference_distill, rounded, up, **opts)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         loss, grads = loss_and_grads(lp.fused_linear_distillation, case, up, backend=backend, **opts)
     tol = TOL[torch.bfloat16]
     assert_close("loss", loss, ref, tol)
@@ -257,16 +268,17 @@ def test_autocast(gen, backend):
         assert_close(f"grad {name}", g, ref_grads[name], tol)
 
 
-def test_strided_inputs(gen, backend):
+def test_strided_inputs(gen, backend, device):
     """A transposed student weight and hidden states, an expanded (stride 0) teacher input, a
-    sliced teacher weight and strided labels give what contiguous copies give."""
+    sliced teacher weight and strided labels give what contiguous copies give. The values are
+    drawn on the CPU and moved; the strided views are taken on ``device``, so the op sees them."""
     n = math.prod(LEAD)
-    student_hidden = torch.randn(HS, n, generator=gen).t().reshape(*LEAD, HS).requires_grad_()
+    student_hidden = torch.randn(HS, n, generator=gen).to(device).t().reshape(*LEAD, HS).requires_grad_()
     assert not student_hidden.is_contiguous() or student_hidden.reshape(-1).numel() == 0
-    student_weight = (torch.randn(HS, V, generator=gen) * 0.7).t().requires_grad_()
-    teacher_hidden = torch.randn(1, LEAD[1], HT, generator=gen).expand(LEAD[0], LEAD[1], HT)
-    teacher_weight = (torch.randn(V, 2 * HT, generator=gen) * 0.5)[:, ::2]
-    labels = torch.randint(0, V, (LEAD[0], 2 * LEAD[1]), generator=gen)[:, ::2]
+    student_weight = (torch.randn(HS, V, generator=gen) * 0.7).to(device).t().requires_grad_()
+    teacher_hidden = torch.randn(1, LEAD[1], HT, generator=gen).to(device).expand(LEAD[0], LEAD[1], HT)
+    teacher_weight = (torch.randn(V, 2 * HT, generator=gen) * 0.5).to(device)[:, ::2]
+    labels = torch.randint(0, V, (LEAD[0], 2 * LEAD[1]), generator=gen).to(device)[:, ::2]
     labels[0, 1] = -100
     case = dict(
         student_hidden=student_hidden,
@@ -274,23 +286,25 @@ def test_strided_inputs(gen, backend):
         teacher_hidden=teacher_hidden,
         teacher_weight=teacher_weight,
         labels=labels,
-        student_bias=torch.randn(2 * V, generator=gen)[::2].requires_grad_(),
+        student_bias=torch.randn(2 * V, generator=gen).to(device)[::2].requires_grad_(),
         teacher_bias=None,
     )
     assert not student_weight.is_contiguous() and teacher_hidden.stride(0) == 0
+    assert teacher_weight.stride(-1) == labels.stride(-1) == case["student_bias"].stride(0) == 2
+    assert all(t is None or t.device.type == device.type for t in case.values())
     check(case, gen, backend=backend, beta=0.3, reduction="none", student_softcap=5.0)
 
 
-def test_very_different_hidden_sizes(gen, backend):
-    check(make_case(gen, hs=3, ht=40), gen, backend=backend, beta=0.5, ce_weight=0.5)
+def test_very_different_hidden_sizes(gen, backend, device):
+    check(make_case(gen, hs=3, ht=40, device=device), gen, backend=backend, beta=0.5, ce_weight=0.5)
 
 
 # ---------------------------------------------------------------- the teacher
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_teacher_requiring_grad_gets_none(gen, backend, reduction):
-    case = make_case(gen)
+def test_teacher_requiring_grad_gets_none(gen, backend, device, reduction):
+    case = make_case(gen, device=device)
     for name in ("teacher_hidden", "teacher_weight", "teacher_bias"):
         case[name].requires_grad_()
     check(case, gen, backend=backend, beta=0.5, reduction=reduction)
@@ -304,10 +318,10 @@ def test_teacher_requiring_grad_gets_none(gen, backend, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_teacher_inference_tensors(gen, backend, reduction):
+def test_teacher_inference_tensors(gen, backend, device, reduction):
     """Teacher tensors made under torch.inference_mode (TRL runs the teacher under no_grad or
     inference mode) work on both backward paths (precomputed "sum", recomputed "none")."""
-    case = make_case(gen)
+    case = make_case(gen, device=device)
     with torch.inference_mode():
         teacher = {k: case[k].clone() for k in ("teacher_hidden", "teacher_weight", "teacher_bias")}
     assert teacher["teacher_weight"].is_inference()
@@ -315,8 +329,8 @@ def test_teacher_inference_tensors(gen, backend, reduction):
     check(case, gen, backend=backend, beta=0.3, reduction=reduction)
 
 
-def test_whole_call_under_inference_mode(gen):
-    case = make_case(gen)
+def test_whole_call_under_inference_mode(gen, device):
+    case = make_case(gen, device=device)
     expected = lp.fused_linear_distillation(**case, beta=0.5).detach()
     with torch.inference_mode():
         loss = lp.fused_linear_distillation(**case, beta=0.5)
@@ -326,10 +340,10 @@ def test_whole_call_under_inference_mode(gen):
 # ---------------------------------------------------------------- backward paths
 
 
-def test_second_backward(gen):
+def test_second_backward(gen, device):
     """A retained graph: reduction "none" recomputes every time (same gradients twice); "mean",
     whose forward computed the gradients, refuses a second backward by name."""
-    case = make_case(gen)
+    case = make_case(gen, device=device)
     loss = lp.fused_linear_distillation(**case, beta=0.5, reduction="none")
     first = torch.autograd.grad(loss.sum(), case["student_weight"], retain_graph=True)[0]
     second = torch.autograd.grad(loss.sum(), case["student_weight"])[0]
@@ -340,15 +354,15 @@ def test_second_backward(gen):
         torch.autograd.grad(loss, case["student_weight"])
 
 
-def test_create_graph_refused(gen):
-    case = make_case(gen)
+def test_create_graph_refused(gen, device):
+    case = make_case(gen, device=device)
     loss = lp.fused_linear_distillation(**case, beta=0.5)
     with pytest.raises(NotImplementedError, match="second derivative"):
         torch.autograd.grad(loss, case["student_hidden"], create_graph=True)
 
 
-def test_only_some_student_inputs_require_grad(gen, backend):
-    case = make_case(gen)
+def test_only_some_student_inputs_require_grad(gen, backend, device):
+    case = make_case(gen, device=device)
     case["student_hidden"].requires_grad_(False)
     case["student_bias"].requires_grad_(False)
     check(case, gen, backend=backend, beta=0.3, temperature=2.0)
@@ -401,7 +415,7 @@ def test_working_memory_within_budget(gen, softcaps):
     assert rows == 10
 
 
-def test_chunks_as_budgeted(gen, monkeypatch, backend):
+def test_chunks_as_budgeted(gen, monkeypatch, backend, device):
     """``budget_for(rows)`` (what every check here runs with) gives chunks of ``rows`` kept tokens."""
     seen = []
     if backend == "torch":
@@ -410,7 +424,7 @@ def test_chunks_as_budgeted(gen, monkeypatch, backend):
         module, name = distillation_triton, "distill_rows_triton"
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda ls, *a, **k: seen.append(len(ls)) or real(ls, *a, **k))
-    case = make_case(gen, ignore="first")
+    case = make_case(gen, ignore="first", device=device)
     opts = dict(beta=0.5, backend=backend)
     lp.fused_linear_distillation(**case, memory_budget=budget_for(4, case, **opts), **opts).backward()
     assert seen == [4, 4, 4, 1]  # 13 kept tokens, in the forward (the backward only scales)
@@ -419,8 +433,8 @@ def test_chunks_as_budgeted(gen, monkeypatch, backend):
 # ---------------------------------------------------------------- entry points
 
 
-def test_module_matches_functional(gen):
-    case = make_case(gen)
+def test_module_matches_functional(gen, device):
+    case = make_case(gen, device=device)
     module = lp.FusedLinearDistillationLoss(
         beta=0.3, temperature=2.0, reduction="sum", num_items_in_batch=None
     )
@@ -452,10 +466,10 @@ def _fresh_dynamo():
 
 @pytest.mark.usefixtures("_fresh_dynamo")
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compiled_matches_eager(gen, reduction):
+def test_compiled_matches_eager(gen, device, reduction):
     """torch.compile(fullgraph=True) of a call (dynamic shapes, the temperature from a variable)
     gives the eager loss and gradients, for another length and another temperature too."""
-    case = make_case(gen)
+    case = make_case(gen, device=device)
 
     def step(temperature, **tensors):
         options = dict(beta=0.3, ce_weight=0.1, student_softcap=6.0, reduction=reduction)
@@ -479,8 +493,8 @@ def test_compiled_matches_eager(gen, reduction):
 
 
 @pytest.mark.usefixtures("_fresh_dynamo")
-def test_compiled_module(gen):
-    case = make_case(gen)
+def test_compiled_module(gen, device):
+    case = make_case(gen, device=device)
     module = lp.FusedLinearDistillationLoss(beta=1.0, temperature=1.5)
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     assert_close("compiled module", compiled(**case), module(**case), 1e-6)

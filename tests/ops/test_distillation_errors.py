@@ -15,13 +15,14 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 N, HS, HT, V = 6, 5, 7, 11
 
 
-def _inputs(gen, dtype=torch.float32):
+def _inputs(gen, dtype=torch.float32, device="cpu"):
+    """A small valid call's tensors on ``device`` (drawn on the CPU), the student's requiring grad."""
     return dict(
-        student_hidden=torch.randn(2, N, HS, generator=gen).to(dtype).requires_grad_(),
-        student_weight=torch.randn(V, HS, generator=gen).to(dtype).requires_grad_(),
-        teacher_hidden=torch.randn(2, N, HT, generator=gen).to(dtype),
-        teacher_weight=torch.randn(V, HT, generator=gen).to(dtype),
-        labels=torch.randint(0, V, (2, N), generator=gen),
+        student_hidden=torch.randn(2, N, HS, generator=gen).to(device, dtype).requires_grad_(),
+        student_weight=torch.randn(V, HS, generator=gen).to(device, dtype).requires_grad_(),
+        teacher_hidden=torch.randn(2, N, HT, generator=gen).to(device, dtype),
+        teacher_weight=torch.randn(V, HT, generator=gen).to(device, dtype),
+        labels=torch.randint(0, V, (2, N), generator=gen).to(device),
     )
 
 
@@ -65,16 +66,16 @@ def test_bad_option(gen, option, value, error, match):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_logits_dtype_must_suit_each_side(gen, backend):
+def test_logits_dtype_must_suit_each_side(gen, device, backend):
     """A half ``logits_dtype`` other than a side's input dtype is refused at the call, naming the
     side (as the cross-entropy op refuses it); fp32 suits every input, the input's own dtype its side."""
-    half = _inputs(gen, torch.bfloat16)
+    half = _inputs(gen, torch.bfloat16, device)
     with pytest.raises(
         ValueError, match=r"student: logits_dtype must be None \(the input dtype, torch.bfloat16\)"
     ):
         _call(half, logits_dtype=torch.float16, backend=backend)
     with pytest.raises(ValueError, match="student: logits_dtype must be None"):
-        _call(_inputs(gen), logits_dtype=torch.bfloat16, backend=backend)
+        _call(_inputs(gen, device=device), logits_dtype=torch.bfloat16, backend=backend)
     mixed = half | {k: v.float() for k, v in half.items() if k.startswith("teacher")}
     with pytest.raises(
         ValueError, match=r"teacher: logits_dtype must be None \(the input dtype, torch.float32\)"
@@ -85,19 +86,23 @@ def test_logits_dtype_must_suit_each_side(gen, backend):
     assert torch.isfinite(_call(half, logits_dtype=torch.bfloat16, backend=backend))
 
 
-def test_triton_backend_needs_cuda_or_the_interpreter(gen, monkeypatch):
+def test_triton_backend_needs_cuda_or_the_interpreter(gen, device, monkeypatch):
     """Backend "triton" on CPU tensors without ``TRITON_INTERPRET=1`` says what it needs (read on every
-    call); "auto" then runs the PyTorch backend, and with the interpreter the Triton one."""
+    call), and "auto" then runs the PyTorch backend. Where Triton can run (CUDA tensors on a GPU, CPU
+    ones under the interpreter that tests/conftest.py turns on without one), "auto" runs it, and it
+    agrees with the PyTorch backend."""
     pytest.importorskip("triton")
     inputs = _inputs(gen)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1"):
-        _call(inputs, backend="triton")
-    on_torch = _call(inputs, beta=0.5)
-    assert torch.equal(on_torch, _call(inputs, beta=0.5, backend="torch"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert torch.equal(_call(inputs, beta=0.5), _call(inputs, beta=0.5, backend="triton"))
-    torch.testing.assert_close(_call(inputs, beta=0.5, backend="triton"), on_torch)
+    with monkeypatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1"):
+            _call(inputs, backend="triton")
+        on_torch = _call(inputs, beta=0.5)
+        assert torch.equal(on_torch, _call(inputs, beta=0.5, backend="torch"))
+    runnable = {k: v.detach().to(device).requires_grad_(v.requires_grad) for k, v in inputs.items()}
+    on_triton = _call(runnable, beta=0.5, backend="triton")
+    assert torch.equal(_call(runnable, beta=0.5), on_triton)
+    torch.testing.assert_close(on_triton.cpu(), on_torch)
 
 
 def test_unknown_option(gen):

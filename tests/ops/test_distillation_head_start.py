@@ -3,7 +3,9 @@
 ``ops/head_start.py``): launched before the wait, finished from the same buffers by the first
 chunk, and the op's results bit for bit those without it, whether the call walks every row or
 the kept ones (begun over what the last call of the shape walked; dropped when that differs).
-Under the Triton interpreter on the CPU: fp32, 16-row GEMM tiles."""
+On ``device``, in what the fused logits GEMM takes there: on CPU tensors under the Triton
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 only without CUDA) in fp32 with 16-row GEMM
+tiles, on a GPU natively in bf16 with 128-row tiles: row counts are given in tiles (``TILE``)."""
 
 import dataclasses
 
@@ -17,8 +19,9 @@ from tests.ops.distillation_cases import loss_and_grads, make_case
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-HS, HT, V = 24, 40, 136  # 136 fp32 logits make 16-byte aligned rows: the fused GEMM takes them
-TILE = 16  # the fused GEMM's row tile under the interpreter (the head's alignment)
+HS, HT, V = 24, 40, 136  # 136 fp32 or bf16 logits make 16-byte aligned rows: the fused GEMM takes them
+TILE = 128 if torch.cuda.is_available() else 16  # the fused GEMM's row tile (the head's alignment)
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # what the fused GEMM takes
 CHUNK = 3 * TILE
 TEACHER_ROW_FLOP = 2 * HT * V
 
@@ -30,7 +33,9 @@ def _tuning(head_tiles: int | None) -> Tuning:
 
 
 def _run(case, tuning: Tuning, **opts):
-    upstream = torch.linspace(0.5, 1.5, case["labels"].numel()) if opts.get("reduction") == "none" else 1.0
+    labels = case["labels"]
+    none = opts.get("reduction") == "none"
+    upstream = torch.linspace(0.5, 1.5, labels.numel(), device=labels.device) if none else 1.0
     loss, grads = loss_and_grads(
         lp.fused_linear_distillation, case, upstream, backend="triton", tuning=tuning, **opts
     )
@@ -62,8 +67,8 @@ def launches(monkeypatch):
     return events
 
 
-def _case(gen, n: int, ignore: str = "none", bias: bool = True):
-    return make_case(gen, (n,), HS, HT, V, ignore=ignore, bias=bias)
+def _case(gen, device, n: int, ignore: str = "none", bias: bool = True):
+    return make_case(gen, (n,), HS, HT, V, dtype=DTYPE, ignore=ignore, bias=bias, device=device)
 
 
 OPTION_SETS = [
@@ -80,11 +85,11 @@ BIT_CASES = [
 
 
 @pytest.mark.parametrize(("ignore", "reduction", "opts"), BIT_CASES, ids=str)
-def test_bit_equal_to_the_op_without_it(gen, ignore, reduction, opts):
+def test_bit_equal_to_the_op_without_it(gen, device, ignore, reduction, opts):
     """A head of one row tile of three-tile chunks (the chunk finished by a second launch) and
     of a whole chunk, two calls each (the second begun over what the first walked), against no
     head start: the same bits."""
-    case = _case(gen, 2 * CHUNK + 7, ignore)
+    case = _case(gen, device, 2 * CHUNK + 7, ignore)
     want = _run(case, _tuning(None), reduction=reduction, **opts)
     for tiles in (1, 3):
         for _ in range(2):
@@ -93,8 +98,8 @@ def test_bit_equal_to_the_op_without_it(gen, ignore, reduction, opts):
                 assert torch.equal(a, b), (tiles, a, b)
 
 
-def test_launched_before_the_wait_and_finished_after(gen, launches):
-    _run(_case(gen, 2 * CHUNK + 3), _tuning(1))  # a shape of its own: no earlier call's record
+def test_launched_before_the_wait_and_finished_after(gen, device, launches):
+    _run(_case(gen, device, 2 * CHUNK + 3), _tuning(1))  # a shape of its own: no earlier call's record
     assert launches == [
         ("teacher", TILE),
         ("wait",),
@@ -107,19 +112,19 @@ def test_launched_before_the_wait_and_finished_after(gen, launches):
     ], launches
 
 
-def test_no_launch_before_the_wait_when_off(gen, launches):
-    _run(_case(gen, 2 * CHUNK + 4), _tuning(None))
+def test_no_launch_before_the_wait_when_off(gen, device, launches):
+    _run(_case(gen, device, 2 * CHUNK + 4), _tuning(None))
     assert launches[:3] == [("wait",), ("teacher", CHUNK), ("student", CHUNK)], launches
 
 
-def test_follows_what_the_last_call_of_the_shape_did(gen, launches):
-    """40 of the rows kept. First call: begun over every row (no record yet), then dropped, as
-    the call walks the kept rows. Second: begun over the first kept rows and used. Then a call of
-    the shape walking every row: begun over the kept rows, dropped; and the next begins over
-    every row again and uses it."""
-    n, n_kept = 2 * CHUNK + 5, 40
-    skipping = _case(gen, n)
-    skipping["labels"][torch.randperm(n, generator=gen)[: n - n_kept]] = -100
+def test_follows_what_the_last_call_of_the_shape_did(gen, device, launches):
+    """Two and a half tiles of the rows kept (one chunk of them). First call: begun over every row
+    (no record yet), then dropped, as the call walks the kept rows. Second: begun over the first
+    kept rows and used. Then a call of the shape walking every row: begun over the kept rows,
+    dropped; and the next begins over every row again and uses it."""
+    n, n_kept = 2 * CHUNK + 5, 5 * TILE // 2
+    skipping = _case(gen, device, n)
+    skipping["labels"][torch.randperm(n, generator=gen)[: n - n_kept].to(device)] = -100
     for _ in range(2):
         _run(skipping, _tuning(1))
     assert launches == [
@@ -133,7 +138,7 @@ def test_follows_what_the_last_call_of_the_shape_did(gen, launches):
         ("student", n_kept),
     ], launches
     launches.clear()
-    walking = dict(skipping, labels=torch.randint(0, V, (n,), generator=gen))
+    walking = dict(skipping, labels=torch.randint(0, V, (n,), generator=gen).to(device))
     for _ in range(2):
         _run(walking, _tuning(1))
     rest = [("teacher", CHUNK), ("student", CHUNK), ("teacher", 5), ("student", 5)]
@@ -156,22 +161,28 @@ def test_follows_what_the_last_call_of_the_shape_did(gen, launches):
     [dict(beta=1.0), dict(beta=0.5, logits_dtype=torch.float32), dict(beta=0.5, backend="torch")],
     ids=["reverse_kl", "fp32_logits", "torch_backend"],
 )
-def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, monkeypatch, opts):
+def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, device, monkeypatch, opts):
     """Reverse KL and fp32 logits take no partials (no fused GEMM); the torch backend has none."""
     begun = []
     monkeypatch.setattr(head_start, "start", lambda *a, **k: begun.append(a))
-    case = _case(gen, 2 * CHUNK + 6)
+    case = _case(gen, device, 2 * CHUNK + 6)
     opts = dict(opts)
     backend = opts.pop("backend", "triton")
     lp.fused_linear_distillation(**case, backend=backend, tuning=_tuning(1), **opts).backward()
     assert begun == []
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="about the CPU's fp32 GEMMs, and Triton runs on CPU tensors only under the interpreter; on a "
+    "GPU bf16 inputs are what take the head: the other tests here run them",
+)
 def test_bf16_on_the_cpu_takes_no_head(gen, monkeypatch):
     """On the CPU the GEMMs run in fp32 (a cast of bf16 hidden states first): nothing is begun."""
     begun = []
     monkeypatch.setattr(head_start, "start", lambda *a, **k: begun.append(a))
-    case = {k: v if v is None else v.detach().bfloat16() for k, v in _case(gen, 2 * CHUNK + 8).items()}
+    cpu = torch.device("cpu")
+    case = {k: v if v is None else v.detach().bfloat16() for k, v in _case(gen, cpu, 2 * CHUNK + 8).items()}
     case["labels"] = torch.randint(0, V, (2 * CHUNK + 8,), generator=gen)
     lp.fused_linear_distillation(**case, backend="triton", beta=0.5, tuning=_tuning(1))
     assert begun == []

@@ -16,8 +16,11 @@ from liger_patch.ops.tuning import Tuning
 N, H, V, R = 23, 13, 41, 3  # odd sizes: nothing divides anything
 
 
-def _inputs(gen, dtype, *, ignore="runs", n=N, rank=R, layout="contiguous", bias=False, h=H, v=V):
-    """hidden, weight, labels, bias, u, B (rounded to ``dtype``; u and B in the layout asked for)."""
+def _inputs(
+    gen, dtype, *, ignore="runs", n=N, rank=R, layout="contiguous", bias=False, h=H, v=V, device="cpu"
+):
+    """hidden, weight, labels, bias, u, B on ``device`` (rounded to ``dtype``; u and B in the
+    layout asked for), drawn on the CPU so that every device sees the same values."""
     hidden = torch.randn(n, h, generator=gen)
     weight = torch.randn(v, h, generator=gen) * 0.4
     u = torch.randn(n, rank, generator=gen)
@@ -25,7 +28,9 @@ def _inputs(gen, dtype, *, ignore="runs", n=N, rank=R, layout="contiguous", bias
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[ignore_mask(ignore, n, gen)] = -100
     b_vec = torch.randn(v, generator=gen) * 0.1 if bias else None
-    hidden, weight, u, b = (t.to(dtype) for t in (hidden, weight, u, b))
+    hidden, weight, u, b = (t.to(device, dtype) for t in (hidden, weight, u, b))
+    labels = labels.to(device)
+    b_vec = None if b_vec is None else b_vec.to(device)
     if layout == "transposed":  # u and B as transposes of (r, N) and (r, V) tensors
         u, b = u.t().contiguous().t(), b.t().contiguous().t()
     elif layout == "strided":  # every other column of wider tensors
@@ -51,6 +56,7 @@ def _check(
     dtype,
     backend,
     *,
+    device="cpu",
     needs=(True, False, True, True),
     ignore="runs",
     layout="contiguous",
@@ -60,7 +66,9 @@ def _check(
     z_grad=False,
     **opts,
 ):
-    hidden, weight, labels, bvec, u, b = _inputs(gen, dtype, ignore=ignore, layout=layout, bias=bias)
+    hidden, weight, labels, bvec, u, b = _inputs(
+        gen, dtype, ignore=ignore, layout=layout, bias=bias, device=device
+    )
     tensors = [
         t.detach().clone().requires_grad_(need) if t.is_contiguous() else t.requires_grad_(need)
         for t, need in zip((hidden, weight, u, b), needs, strict=True)
@@ -75,7 +83,7 @@ def _check(
     ref_loss, leaves = _reference(hidden, weight, labels, bvec, u, b, needs, **ref_opts)
     tol = TOL[dtype]
     assert_close("loss", loss, ref_loss, tol)
-    up = torch.randn(ref_loss.shape, generator=gen, dtype=torch.float64) if ref_loss.dim() else 1.3
+    up = torch.randn(ref_loss.shape, generator=gen, dtype=torch.float64).to(device) if ref_loss.dim() else 1.3
     obj = (loss * (up.to(loss.dtype) if torch.is_tensor(up) else up)).sum()
     if z_grad:  # a gradient through z_loss: the recompute backward even for "mean"
         obj = obj + 0.0 * z
@@ -94,31 +102,32 @@ def _check(
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_values_and_grads_against_fp64(gen, backend, dtype, reduction):
+def test_values_and_grads_against_fp64(gen, device, backend, dtype, reduction):
     """Forward-precomputed ("mean", "sum") and recomputed ("none") gradients, in several chunks."""
-    _check(gen, dtype, backend, rows=5, reduction=reduction)
+    _check(gen, dtype, backend, device=device, rows=5, reduction=reduction)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ignore", ["none", "first", "last", "all_but_one", "only_first_kept", "half", "all"])
-def test_ignored_rows_in_every_position(gen, backend, ignore):
+def test_ignored_rows_in_every_position(gen, device, backend, ignore):
     """Many ignored rows: the forward walks the kept rows only (u's rows gathered too)."""
-    _check(gen, torch.float32, backend, rows=4, ignore=ignore, needs=(True, True, True, True))
+    _check(gen, torch.float32, backend, device=device, rows=4, ignore=ignore, needs=(True, True, True, True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
-def test_strided_and_transposed_u_and_b(gen, backend, layout):
-    _check(gen, torch.float32, backend, rows=6, layout=layout)
+def test_strided_and_transposed_u_and_b(gen, device, backend, layout):
+    _check(gen, torch.float32, backend, device=device, rows=6, layout=layout)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_recompute_backward_with_bias_and_z_loss(gen, backend):
+def test_recompute_backward_with_bias_and_z_loss(gen, device, backend):
     """A gradient through the z-loss sends "mean" through ``flce_backward``: the term is recomputed."""
     _check(
         gen,
         torch.float32,
         backend,
+        device=device,
         rows=7,
         bias=True,
         needs=(True, True, True, True),
@@ -130,9 +139,9 @@ def test_recompute_backward_with_bias_and_z_loss(gen, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_two_pass_path(gen, backend):
+def test_two_pass_path(gen, device, backend):
     """The base weight wants a gradient and the budget is small: pass B recomputes the term too."""
-    _check(gen, torch.float32, backend, rows=4, two_pass=True, needs=(True, True, True, True))
+    _check(gen, torch.float32, backend, device=device, rows=4, two_pass=True, needs=(True, True, True, True))
 
 
 @pytest.mark.parametrize(
@@ -219,16 +228,19 @@ def test_create_graph_backward_carries_the_term(gen):
     assert grads[2].requires_grad and grads[3].requires_grad
 
 
-def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, monkeypatch):
-    """Sizes the Triton fused logits GEMM takes (16-byte aligned rows): its log-sum-exp partials
-    would miss the term, so the chunks go through cuBLAS and the term is added before the rows."""
+def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, device, monkeypatch):
+    """Sizes the Triton fused logits GEMM takes (16-byte aligned rows, and half inputs on CUDA):
+    its log-sum-exp partials would miss the term, so the chunks go through cuBLAS and the term is
+    added before the rows."""
     import dataclasses
 
     from liger_patch.ops import backends, operator
     from liger_patch.ops.triton import logits as triton_logits
 
-    assert triton_logits.supported(torch.zeros(8, 16), torch.zeros(48, 16), torch.float32, Tuning())
-    hidden, weight, labels, _, u, b = _inputs(gen, torch.float32, n=24, h=16, v=48, ignore="none")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the fused GEMM takes
+    probe = [torch.zeros(rows, 16, device=device, dtype=dtype) for rows in (8, 48)]
+    assert triton_logits.supported(*probe, dtype, Tuning())
+    hidden, weight, labels, _, u, b = _inputs(gen, dtype, n=24, h=16, v=48, ignore="none", device=device)
     calls = []
 
     def spied(name, device):  # the Triton record with its fused GEMM counted (records are cached)
@@ -245,10 +257,10 @@ def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, monkeypatch):
     loss = fused_loss(leaves[0], weight, labels, options=options, low_rank=(leaves[1], leaves[2]))
     loss.backward()
     ref_loss, ref_leaves = _reference(hidden, weight, labels, None, u, b, (True, False, True, True))
-    assert_close("loss", loss, ref_loss, TOL[torch.float32])
+    assert_close("loss", loss, ref_loss, TOL[dtype])
     ref_grads = torch.autograd.grad(ref_loss, [ref_leaves[0], ref_leaves[2], ref_leaves[3]])
     for name, t, rg in zip(("hidden", "u", "B"), leaves, ref_grads, strict=True):
-        assert_close(f"grad {name}", t.grad, rg, TOL[torch.float32])
+        assert_close(f"grad {name}", t.grad, rg, TOL[dtype])
     assert not calls
     fused_loss(hidden, weight, labels, options=options)
     assert calls  # without the term these sizes do take the fused GEMM

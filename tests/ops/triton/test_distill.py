@@ -29,7 +29,7 @@ ROWS, V = 7, 131
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.37])
-def test_rows_against_reference_with_ignored_rows(gen, beta):
+def test_rows_against_reference_with_ignored_rows(gen, device, beta):
     """Mixed dtypes (bf16 student, fp32 teacher), a separate fp32 gradient buffer full of NaN:
     kept rows get the reference's loss and ``coef * d loss / d x``, ignored ones 0 and zeros."""
     opts = build_distill_options(
@@ -42,12 +42,13 @@ def test_rows_against_reference_with_ignored_rows(gen, beta):
         ignore_index=-1,
         backend="triton",
     )
-    xs = (torch.randn(ROWS, V, generator=gen) * 3).bfloat16()
-    xt = torch.randn(ROWS, V, generator=gen) * 3
+    xs = (torch.randn(ROWS, V, generator=gen) * 3).bfloat16().to(device)
+    xt = (torch.randn(ROWS, V, generator=gen) * 3).to(device)
     labels = torch.randint(0, V, (ROWS,), generator=gen)
     labels[[1, 4]] = -1
-    coef = torch.rand(ROWS, generator=gen) + 0.5
-    grad = torch.full((ROWS, V), float("nan"))
+    labels = labels.to(device)
+    coef = (torch.rand(ROWS, generator=gen) + 0.5).to(device)
+    grad = torch.full((ROWS, V), float("nan"), device=device)
     loss = triton_distill.distill_rows_triton(xs, xt, labels, opts, grad=grad, coef=coef)
 
     x = xs.double().requires_grad_()
@@ -61,20 +62,22 @@ def test_rows_against_reference_with_ignored_rows(gen, beta):
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.37])
-def test_half_gradient_in_fp32_logits_bytes(gen, beta):
+def test_half_gradient_in_fp32_logits_bytes(gen, device, beta):
     """fp32 logits (``logits_dtype=torch.float32``) with a bf16 gradient in their own bytes
-    (``gemm.grad_view``, as on a GPU): each row's gradient overwrites the first half of its
+    (``gemm.grad_view``, as the op lays it out on a GPU): each row's gradient overwrites the first half of its
     logits while the last pass still reads them. The pass walks forwards (the default tuning
     reverses it for beta 0 and 1), so the loss equals a run with a separate fp32 buffer bit for
     bit and the gradient is that run's, rounded to bf16 (the interpreter's rounding may differ
     from torch's: within an ulp); ignored rows get zeros."""
     opts = build_distill_options(beta=beta, temperature=1.5, ce_weight=0.3, student_softcap=6.0)
     xs = torch.randn(ROWS, V, generator=gen) * 3
-    xt = xs + torch.randn(ROWS, V, generator=gen)
+    xt = (xs + torch.randn(ROWS, V, generator=gen)).to(device)
+    xs = xs.to(device)
     labels = torch.randint(0, V, (ROWS,), generator=gen)
     labels[2] = -100
-    coef = torch.rand(ROWS, generator=gen) + 0.5
-    apart = torch.empty(ROWS, V)
+    labels = labels.to(device)
+    coef = (torch.rand(ROWS, generator=gen) + 0.5).to(device)
+    apart = torch.empty(ROWS, V, device=device)
     expected = triton_distill.distill_rows_triton(xs, xt, labels, opts, grad=apart, coef=coef)
     logits = xs.clone()
     grad = grad_view(logits, torch.bfloat16)

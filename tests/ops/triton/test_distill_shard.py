@@ -29,14 +29,17 @@ ROWS, V, SPLIT = 6, 131, 70  # shards of 70 and 61 columns
 OPTS = dict(temperature=1.8, ce_weight=0.4, student_softcap=5.0, teacher_softcap=7.0, student_logit_scale=1.2)
 
 
-def _inputs(gen):
-    wide = torch.empty(ROWS, V + 5, dtype=torch.bfloat16)  # rows strided by V + 5
+def _inputs(gen, device):
+    """Student logits (bf16, rows strided by V + 5), teacher logits, labels with each shard's first
+    and last column, and row coefficients, on ``device`` (drawn on the CPU)."""
+    wide = torch.empty(ROWS, V + 5, dtype=torch.bfloat16, device=device)
     wide[:, :V] = torch.randn(ROWS, V, generator=gen) * 3
     xs = wide[:, :V]
     xt = torch.randn(ROWS, V, generator=gen) * 3
     labels = torch.randint(0, V, (ROWS,), generator=gen)
-    labels[:4] = torch.tensor([0, SPLIT - 1, SPLIT, V - 1])  # each shard's first and last column
-    return xs, xt, labels, torch.rand(ROWS, generator=gen) + 0.5
+    labels[:4] = torch.tensor([0, SPLIT - 1, SPLIT, V - 1])
+    coef = torch.rand(ROWS, generator=gen) + 0.5
+    return xs, xt.to(device), labels.to(device), coef.to(device)
 
 
 def _label_cols(labels, start, stop):
@@ -64,7 +67,7 @@ def _sharded(xs, xt, labels, coef, opts):
     d = sums[0] if sums.shape[0] == 1 else opts.beta * sums[0] + (1 - opts.beta) * sums[1]
     ce = rows["lse_z"] - stats[:, 3].sum(0)
     loss = (1 - opts.ce_weight) * d + opts.ce_weight * ce
-    grad = torch.full((ROWS, V), float("nan"))
+    grad = torch.full((ROWS, V), float("nan"), device=xs.device)
     for a, b in shards:
         cols = _label_cols(labels, a, b)
         shard_kernels.shard_grad_triton(
@@ -74,9 +77,9 @@ def _sharded(xs, xt, labels, coef, opts):
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.37])
-def test_two_shards_give_the_whole_rows(gen, beta):
+def test_two_shards_give_the_whole_rows(gen, device, beta):
     opts = build_distill_options(beta=beta, backend="triton", **OPTS)
-    xs, xt, labels, coef = _inputs(gen)
+    xs, xt, labels, coef = _inputs(gen, device)
     loss, grad = _sharded(xs, xt, labels, coef, opts)
 
     x = xs.double().requires_grad_()
@@ -87,17 +90,17 @@ def test_two_shards_give_the_whole_rows(gen, beta):
     torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-5, atol=1e-6)
 
 
-def test_a_half_gradient_in_fp32_logits_bytes(gen):
+def test_a_half_gradient_in_fp32_logits_bytes(gen, device):
     """fp32 logits (``logits_dtype=torch.float32``), the bf16 gradient written over their bytes
     (``gemm.grad_view``): the values of an fp32 gradient buffer of its own, rounded once (the
     interpreter narrows by truncation, the GPU to nearest: within one bf16 step)."""
     opts = build_distill_options(beta=0.37, backend="triton", **OPTS)
-    xs, xt, labels, coef = _inputs(gen)
+    xs, xt, labels, coef = _inputs(gen, device)
     xs = xs.float()
     stats = shard_kernels.shard_stats_triton(xs, xt, labels, opts)
     rows = {"lse_s": stats[0], "lse_t": stats[1], "lse_z": stats[2]}
     row_sum = shard_kernels.shard_sums_triton(xs, xt, rows["lse_s"], rows["lse_t"], opts)[-1]
-    apart = torch.empty(ROWS, V)
+    apart = torch.empty(ROWS, V, device=device)
     shard_kernels.shard_grad_triton(xs, xt, apart, rows, row_sum, labels, coef, opts)
     inside = grad_view(xs, torch.bfloat16)
     shard_kernels.shard_grad_triton(xs, xt, inside, rows, row_sum, labels, coef, opts)
