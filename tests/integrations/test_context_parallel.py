@@ -90,7 +90,24 @@ def batch_for(case: str) -> dict[str, torch.Tensor]:
     return dict(input_ids=input_ids, labels=labels, attention_mask=torch.ones_like(input_ids))
 
 
-CASES = ["scattered", "shard_all_ignored", "unbalanced"]
+def _torch_cuts_unbalanced_lengths() -> bool:
+    """Whether torch's ``context_parallel`` takes a length that is not a multiple of 2 x cp (torch
+    2.13 cuts it into cp contiguous pieces; torch 2.11 load-balances every length and asserts
+    ``seq_length % (world_size * 2) == 0``, for the Trainer's own call as much as for these)."""
+    from torch.distributed.tensor.experimental._context_parallel import _load_balancer
+
+    make_default = getattr(_load_balancer, "_create_default_load_balancer", None)
+    return make_default is not None and make_default(18, CP, "cpu") is None
+
+
+def unbalanced_case(case: str):
+    """``case`` as a parameter, skipped with the reason where torch cannot shard its length."""
+    refused = case == "unbalanced" and not _torch_cuts_unbalanced_lengths()
+    reason = f"torch {torch.__version__}'s context_parallel refuses a length not a multiple of 2 x cp"
+    return pytest.param(case, marks=pytest.mark.skipif(refused, reason=reason))
+
+
+CASES = [unbalanced_case(case) for case in ("scattered", "shard_all_ignored", "unbalanced")]
 
 
 def trainer_standin(mesh=None, average_tokens: bool = True) -> SimpleNamespace:
@@ -192,7 +209,7 @@ POSITIONS = {
 }
 
 
-@pytest.mark.parametrize("case", list(POSITIONS))
+@pytest.mark.parametrize("case", [unbalanced_case(case) for case in POSITIONS])
 def test_a_shard_gets_its_chunks_of_every_buffer_and_the_whole_batch_count(case):
     """The investigation above, checked: the keys, the chunks, the targets across shards, the count."""
     batch = batch_for(case)

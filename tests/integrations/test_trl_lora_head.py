@@ -43,7 +43,7 @@ def _lora_model(tied: bool, **config):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return peft.get_peft_model(
-            tiny_model("llama", tie_word_embeddings=tied, output_router_logits=False),
+            tiny_model("llama", dtype=torch.float32, tie_word_embeddings=tied, output_router_logits=False),
             peft.LoraConfig(**config),
         )
 

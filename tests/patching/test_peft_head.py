@@ -20,6 +20,8 @@ from tests.patching_helpers import assert_records_match, make_batch, tiny_model,
 
 peft = pytest.importorskip("peft")
 
+# Every model here is fp32 on any device (tiny_model would make it bf16 on a GPU): the checks see
+# the adapters, the dropout masks and the merges at fp32 tolerances.
 TOL = tolerances(torch.float32)
 
 
@@ -41,7 +43,7 @@ def op_calls(monkeypatch):
 def peft_pair(tied=False, model=None, **config):
     """An unpatched PEFT model and a patched deep copy of it (adapters initialised non-trivially)."""
     config = {"r": 3, "lora_alpha": 7, "lora_dropout": 0.0, "init_lora_weights": False, **config}
-    base = model if model is not None else tiny_model("llama", tie_word_embeddings=tied)
+    base = model if model is not None else tiny_model("llama", dtype=torch.float32, tie_word_embeddings=tied)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's notes on tied weights
         reference = peft.get_peft_model(base, peft.LoraConfig(**config))
@@ -207,7 +209,7 @@ class StandInQuantizedLinear(nn.Linear):
 
 
 def test_lora_over_a_quantized_base_falls_back_naming_it(op_calls):
-    model = tiny_model("llama")
+    model = tiny_model("llama", dtype=torch.float32)
     head = model.lm_head
     model.lm_head = StandInQuantizedLinear(head.in_features, head.out_features, bias=False)
     model.lm_head.weight = head.weight
@@ -218,7 +220,7 @@ def test_lora_over_a_quantized_base_falls_back_naming_it(op_calls):
 
 
 def test_prompt_tuning_is_fused(op_calls):
-    base = tiny_model("llama")
+    base = tiny_model("llama", dtype=torch.float32)
     config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     reference = peft.get_peft_model(base, config)
     patched = copy.deepcopy(reference)
