@@ -25,6 +25,8 @@ from liger_patch.ops.options import (
     LossOptions,
     Reduction,
     check_logits_dtype,
+    constant_changes,
+    from_constant,
     option_float,
 )
 from liger_patch.ops.tuning import DEFAULT_TUNING, Tuning
@@ -189,22 +191,11 @@ def _checked(opts: DistillOptions) -> dict[str, Any]:
     )
 
 
-_HEX = "float.hex:"
-
-
 def as_constants(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with every float as its exact hex string: what ``build_distill_options`` takes
-    under ``torch.compile``, where a float read from a variable would otherwise be traced as a
-    symbol (the reason ``options.constant_changes`` gives for the cross-entropy op)."""
-    return {name: _HEX + v.hex() if isinstance(v, float) else v for name, v in options.items()}
-
-
-def _from_constant(value: Any) -> Any:
-    return (
-        float.fromhex(value.removeprefix(_HEX))
-        if isinstance(value, str) and value.startswith(_HEX)
-        else value
-    )
+    """``options`` as values ``torch.compile`` passes to ``build_distill_options`` as constants on
+    every torch version: the cross-entropy op's encoding (``options.constant_changes``: a float as
+    its exact hex string, a ``Tuning`` as its key, which torch 2.11's dynamo needs)."""
+    return constant_changes(options)
 
 
 def build_distill_options(where: str = "fused_linear_distillation", **options: Any) -> DistillOptions:
@@ -238,7 +229,7 @@ def _build_cached(items: tuple) -> DistillOptions:
 
 
 def _build(options: dict[str, Any]) -> DistillOptions:
-    return DistillOptions(**{name: _from_constant(value) for name, value in options.items()})
+    return DistillOptions(**{name: from_constant(name, value) for name, value in options.items()})
 
 
 def options_from_key(key: str) -> DistillOptions:

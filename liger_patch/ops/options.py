@@ -266,7 +266,7 @@ def _build_cached(base_key: str, where: str, changes: tuple) -> LossOptions:
 
 def _build(base_key: str, where: str, changes: dict[str, Any]) -> LossOptions:
     _refuse_unknown(changes, where)
-    changes = {name: _from_constant(name, value) for name, value in changes.items()}
+    changes = {name: from_constant(name, value) for name, value in changes.items()}
     base = LossOptions.from_key(base_key)
     return dataclasses.replace(base, **changes) if changes else base
 
@@ -291,7 +291,8 @@ def _as_constant(value: Any) -> Any:
     return value
 
 
-def _from_constant(name: str, value: Any) -> Any:
+def from_constant(name: str, value: Any) -> Any:
+    """The value ``constant_changes`` encoded for the option ``name`` (other values as given)."""
     if not isinstance(value, str):
         return value
     if name == "tuning":

@@ -31,7 +31,8 @@ from op_helpers import BACKENDS, IGNORE_PATTERNS, TOL, assert_close, examples
 import liger_patch as lp
 from liger_patch.ops import distillation_chunks, distillation_triton
 from liger_patch.ops.budget import PER_TOKEN_BYTES, SLACK_BYTES
-from liger_patch.ops.distillation_options import DistillOptions, build_distill_options
+from liger_patch.ops.distillation_options import DistillOptions, as_constants, build_distill_options
+from liger_patch.ops.tuning import Tuning
 from tests.ops.distillation_cases import (
     BETAS,
     HS,
@@ -490,6 +491,19 @@ def test_compiled_matches_eager(gen, device, reduction):
         assert_close("compiled loss", got, eager, 1e-6)
         for name, a, b in zip(STUDENT, got_grads, eager_grads, strict=True):
             assert_close(f"compiled grad {name}", a, b, 1e-6)
+
+
+def test_options_reach_the_graph_as_plain_constants():
+    """The functional hands its options to ``build_distill_options`` as plain constants: a float as
+    its exact hex string, a ``Tuning`` as its key. torch 2.11's dynamo cannot rebuild a frozen
+    dataclass there ("currently can't reconstruct arbitrary frozen dataclass instances": every
+    compiled call failed on a GPU with torch 2.11 while the Tuning went as itself)."""
+    tuning = Tuning(chunk_rows=7)
+    given = dict(beta=0.5, temperature=0.3, tuning=tuning, reduction="sum")
+    encoded = as_constants(given)
+    assert all(isinstance(value, str) for value in encoded.values())
+    assert build_distill_options(**encoded) == build_distill_options(**given)
+    assert build_distill_options(**encoded).tuning == tuning
 
 
 @pytest.mark.usefixtures("_fresh_dynamo")
