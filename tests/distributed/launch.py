@@ -48,8 +48,13 @@ def run_workers(
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",
     )
-    if torch.cuda.device_count() < world_size:  # the ranks run on CPU (gloo)
-        env.setdefault("OMP_NUM_THREADS", "1")  # CI has 2 cores for 2 ranks
+    if torch.cuda.device_count() < world_size:
+        # The ranks run on CPU (gloo), as on CI: one thread each (CI has 2 cores for 2 ranks), and
+        # no GPU in sight. With one visible, on a 1-GPU machine (torch 2.11), an FSDP2 DTensor's
+        # full_tensor crashed in torch's functional collectives (SIGSEGV), and accelerate chose
+        # nccl, so DeepSpeed's zero.Init broadcast of a CPU tensor had no backend.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes shows its Python stack
     procs, logs = [], []
     for rank in range(world_size):
