@@ -29,7 +29,9 @@ class TinyDataset(torch.utils.data.Dataset):
 
 
 def run_trainer(model, tmp_path, callbacks=(), **overrides):
-    args = TrainingArguments(
+    """A Trainer of 3 SGD steps (accumulation 2) on TinyDataset; bf16 autocast on a GPU unless
+    ``overrides`` say otherwise (they replace any argument)."""
+    defaults = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
@@ -47,8 +49,8 @@ def run_trainer(model, tmp_path, callbacks=(), **overrides):
         data_seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **overrides,
     )
+    args = TrainingArguments(**{**defaults, **overrides})
     trainer = Trainer(
         model=model,
         args=args,

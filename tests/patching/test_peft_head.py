@@ -239,7 +239,8 @@ def test_hf_trainer_with_gradient_accumulation_and_dropout(tmp_path, op_calls, t
     reference, patched = peft_pair(tied, target_modules=["lm_head", "q_proj"], lora_dropout=0.2)
     runs = []
     for model, callbacks in ((reference, []), (patched, [lp.LigerPatchCallback()])):
-        trainer = run_trainer(model, tmp_path / str(len(runs)), callbacks=callbacks)
+        # fp32 without autocast on any device (run_trainer's GPU default is bf16): fp32 tolerances
+        trainer = run_trainer(model, tmp_path / str(len(runs)), callbacks=callbacks, bf16=False)
         trainer.train()
         runs.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
     assert len(runs[1]) == 3 and runs[1] == pytest.approx(runs[0], rel=1e-5, abs=1e-5)
