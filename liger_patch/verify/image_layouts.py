@@ -190,6 +190,14 @@ def _token_tiles(model: nn.Module, vision: PretrainedConfig, gen: torch.Generato
     return {"pixel_values": tiles, "image_grid_thw": torch.tensor([[1, side, side]] * batch)}
 
 
+def _timespace_patches(model: nn.Module, vision: PretrainedConfig, gen: torch.Generator, batch: int) -> dict:
+    """Inkling: one channels-last ``(T, P, P, C)`` patch per image (the config's temporal and
+    spatial patch sides), which the vision tower folds into one image token."""
+    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    patch = patch_size(vision)
+    return {"pixel_values": torch.randn(batch, temporal, patch, patch, channel_count(vision), generator=gen)}
+
+
 def _pooled_crops(model: nn.Module, vision: PretrainedConfig, gen: torch.Generator, batch: int) -> dict:
     """Molmo 2: one crop of 4 x 4 patches per image, pooled 2 x 2 into 4 tokens.
 
@@ -269,6 +277,7 @@ IMAGE_LAYOUTS: dict[str, ImageLayout] = {
     "gemma4_unified": _positioned_patches,
     "granite_docling": _docling_tiles,
     "inkling2_vision": _token_tiles,
+    "inkling_vision": _timespace_patches,
     "instructblipvideo": _video_frames,
     "kosmos_2.5": _flattened_patches,
     "lfm2_vl": _siglip2_patches,
