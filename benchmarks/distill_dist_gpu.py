@@ -12,7 +12,7 @@ wall time on 2 H100s: 3 to 5 minutes, imports and Triton compiles included (``--
 
 **Parity** runs the gloo tests' scenarios on the GPUs, with their own code
 (``tests/integrations/trl_distillation_sharded_workers.py`` and
-``tests/ops/distillation_vocab_parallel_workers.py``, given a ``Place``): CUDA tensors, NCCL,
+``tests/ops/distillation/vocab_parallel_workers.py``, given a ``Place``): CUDA tensors, NCCL,
 the op's default backend (``"auto"``: Triton), tiny Llamas (hidden 64, teacher 96, heads scaled
 so that their logits spread) with V = 1008 (transformers 5.17 loads no ``tp_plan`` model whose
 vocabulary the tensor-parallel size does not divide; 1008 is not a power of two, and its bf16
@@ -365,7 +365,7 @@ def judge_zero3(every_step: bool, v: Verdicts, out: dict, truth: dict | None) ->
 
 
 def judge_vocab_parallel(v: Verdicts, out: dict, truth: dict | None) -> int:
-    from tests.ops.distillation_vocab_parallel_workers import CASES
+    from tests.ops.distillation.vocab_parallel_workers import CASES
 
     for name, case in out.items():
         spec = CASES[name]
@@ -1063,7 +1063,7 @@ def versions() -> dict:
 
 def write(run: Run, path: Path, finished: bool) -> bool:
     """Gather and write the JSON and the table (rank 0); whether every check so far passed."""
-    from liger_patch.ops.backends import pick
+    from liger_patch.ops.core.backends import pick
 
     results = gathered(run)
     passed = all(r["passed"] for r in results["parity"]) and all(c["passed"] for c in results["size_checks"])

@@ -64,14 +64,14 @@ def ours(hidden, weight, labels, softcap=None, **options):
 def ours_cublas_logits(hidden, weight, labels, softcap=None):
     """Ours with the logits GEMM left to cuBLAS and the row kernel's two passes (the default
     before docs/perf-notes.md item 19), for the side-by-side comparison."""
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     return ours(hidden, weight, labels, softcap, tuning=Tuning(fused_logits=False))
 
 
 def ours_balanced(hidden, weight, labels, softcap=None):
     """Ours with token chunks of one size (``Tuning(balanced_chunks=True)``)."""
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     return ours(hidden, weight, labels, softcap, tuning=Tuning(balanced_chunks=True))
 
@@ -79,7 +79,7 @@ def ours_balanced(hidden, weight, labels, softcap=None):
 def ours_fp32_grad_weight(hidden, weight, labels, softcap=None):
     """Ours with grad_W summed in fp32 (``Tuning(fp32_grad_weight=True)``; the default where an
     fp32 copy fitted in the budget before docs/perf-notes.md item 25)."""
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     return ours(hidden, weight, labels, softcap, tuning=Tuning(fp32_grad_weight=True))
 
@@ -87,7 +87,7 @@ def ours_fp32_grad_weight(hidden, weight, labels, softcap=None):
 def ours_all_rows(hidden, weight, labels, softcap=None):
     """Ours computing every row, the ignored ones too (``Tuning(skip_ignored_share=1.0)``; the
     default before item 28 skipped ignored rows)."""
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     return ours(hidden, weight, labels, softcap, tuning=Tuning(skip_ignored_share=1.0))
 

@@ -5,11 +5,12 @@ from typing import Any
 import liger_patch.integrations  # noqa: F401 - integrations register their hooks with patching
 from liger_patch.ops import (
     FusedLinearCrossEntropyLoss,
+    FusedLinearDistillationLoss,
     LogProbs,
     fused_linear_cross_entropy,
+    fused_linear_distillation,
     fused_linear_logprobs,
 )
-from liger_patch.ops.distillation import FusedLinearDistillationLoss, fused_linear_distillation
 from liger_patch.patching import (
     LigerBypassWarning,
     ModelSpec,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from liger_patch.ops.budget import MiB
+from liger_patch.ops.core.budget import MiB
 from liger_patch.peak_memory import measure_peak
 
 __all__ = ["add_arguments", "main", "run_demo"]
@@ -215,7 +215,7 @@ def _memory_budget(choice: str, fp32_logits_bytes: int) -> int:
     """The budget handed to ``apply_liger_to``, in bytes. At toy sizes the library's 512 MiB
     default holds all the logits in one chunk, so nothing would be saved; 'scaled' keeps the ratio
     of budget to logits that real sizes have. Raises ValueError/TypeError for a bad choice."""
-    from liger_patch.ops.budget import parse_memory_budget
+    from liger_patch.ops.core.budget import parse_memory_budget
 
     if choice == "scaled":
         return max(MiB, fp32_logits_bytes // 8)

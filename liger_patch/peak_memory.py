@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from liger_patch.ops.budget import MiB
+from liger_patch.ops.core.budget import MiB
 
 __all__ = ["measure_peak"]
 

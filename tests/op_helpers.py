@@ -12,7 +12,7 @@ import math
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
+from liger_patch.ops.cross_entropy.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
 from liger_patch.ops.reference import reference_flce
 
 BACKENDS = ["torch", "triton"]
@@ -137,12 +137,13 @@ OUTPUTS = dict(return_token_accuracy=True, return_predicted_tokens=True, return_
 ALL_OPTIONS = dict(COMBINED, **OUTPUTS, class_weight=RANDOM_CLASS_WEIGHT)
 """Every option at once but token scaling: that shrinks the loss's gradient by p_y, leaving the
 entropy's (a sum formed by cancellation) the largest part of grad_h, with an fp32 error of ~1e-5
-of it at V = 1001 (tests/ops/test_outputs.py checks that with its own floors)."""
+of it at V = 1001 (tests/ops/cross_entropy/test_outputs.py checks that with its own floors)."""
 
 # id -> (make_case kwargs, op kwargs): every option of the loss math (and class weights) and every
-# output, one at a time, then combined. tests/ops/test_parity.py runs them against the fp64
-# reference on both backends and tests/ops/vocab_parallel_workers.py on a vocabulary-sharded head;
-# tests/ops/test_parity.py checks that they set every loss-math and output option of LossOptions.
+# output, one at a time, then combined. tests/ops/cross_entropy/test_parity.py runs them against
+# the fp64 reference on both backends and tests/ops/cross_entropy/vocab_parallel_workers.py on a
+# vocabulary-sharded head; tests/ops/cross_entropy/test_parity.py checks that they set every
+# loss-math and output option of LossOptions.
 OPTION_CASES = {
     "plain": ({}, {}),
     "bias": ({"bias": True}, {}),
@@ -272,7 +273,7 @@ def assert_close(
 def check_parity(case: Case, gen: torch.Generator, *, tol: float, z_weight=None, **opts) -> None:
     """Forward + backward through the op with random upstream gradients and compare the loss (and
     z_loss) and the gradients of every input that requires grad with the fp64 reference. Other
-    outputs asked for must come back, by name (tests/ops/test_outputs.py checks their values).
+    outputs asked for must come back, by name (tests/ops/cross_entropy/test_outputs.py checks their values).
 
     z_weight: when return_z_loss=True, also backprop z_loss with this upstream (None: random)."""
     out = call_op(case, **opts)

@@ -46,7 +46,7 @@ class NoTriton:
 sys.meta_path.insert(0, NoTriton())
 import liger_patch
 import liger_patch.integrations.distill_heads
-import liger_patch.ops.distillation_vocab_parallel
+import liger_patch.ops.distillation.vocab_parallel
 print("imported")
 """
 

@@ -118,7 +118,7 @@ def test_every_module_is_in_a_layer():
     ("name", "layer"),
     [
         ("liger_patch.env", OPS),
-        ("liger_patch.ops.triton.rows", OPS),
+        ("liger_patch.ops.cross_entropy.triton.rows", OPS),
         ("liger_patch.patching.apply", PATCHING),
         ("liger_patch.verify", CLI),
         ("liger_patch.verify.sweep", CLI),
@@ -142,9 +142,9 @@ UPWARD = {
         "liger_patch.integrations.trl",
     ),
     "from a package, a submodule": ("from liger_patch.patching import apply\n", "liger_patch.patching.apply"),
-    "relative, two levels": ("from ..patching import state\n", "liger_patch.patching.state"),
+    "relative, three levels": ("from ...patching import state\n", "liger_patch.patching.state"),
     "relative, in TYPE_CHECKING": (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..integrations import trl\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ...integrations import trl\n",
         "liger_patch.integrations.trl",
     ),
     "the root package": ("import liger_patch as lp\n", "liger_patch"),
@@ -159,9 +159,9 @@ def test_an_injected_upward_import_is_found(tmp_path, case):
     source, target = UPWARD[case]
     copy = tmp_path / "liger_patch"
     shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    mutated = copy / "ops" / "budget.py"
+    mutated = copy / "ops" / "core" / "budget.py"
     mutated.write_text(mutated.read_text(encoding="utf-8") + "\n" + source, encoding="utf-8")
-    found = [line for line in upward_imports(copy) if line.startswith("liger_patch/ops/budget.py")]
+    found = [line for line in upward_imports(copy) if line.startswith("liger_patch/ops/core/budget.py")]
     assert len(found) == 1 and found[0].endswith(f"imports {target} ({LAYER_NAMES[layer_of(target)]})"), found
 
 

@@ -41,10 +41,10 @@ from common import (  # noqa: E402
 )
 
 from liger_patch import fused_linear_cross_entropy  # noqa: E402
-from liger_patch.ops.backends import pick  # noqa: E402
-from liger_patch.ops.chunked import run_chunks  # noqa: E402
-from liger_patch.ops.options import LossOptions  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.backends import pick  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.chunks import run_chunks  # noqa: E402
+from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
 
 
 def op_with(budget_mib: int, input_dtype_logits: bool):

@@ -27,7 +27,7 @@ VARIANTS = ("head", "no_head")
 
 def variant_fn(name: str, t_h, t_w):
     import liger_patch as lp
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     tuning = Tuning() if name == "head" else Tuning(head_start_gflop=0.0)
 

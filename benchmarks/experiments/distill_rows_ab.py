@@ -55,9 +55,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def row_kernel(rep_ms: int) -> dict:
-    from liger_patch.ops.distillation_options import build_distill_options
-    from liger_patch.ops.triton import distill as kernel
-    from liger_patch.ops.triton.logits import logits_with_partials
+    from liger_patch.ops.core.triton.logits import logits_with_partials
+    from liger_patch.ops.distillation.options import build_distill_options
+    from liger_patch.ops.distillation.triton import rows as kernel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)

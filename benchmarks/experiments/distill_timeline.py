@@ -53,8 +53,8 @@ class Marks:
 @contextlib.contextmanager
 def marked(marks: Marks):
     """The chunk loop's functions wrapped so that each stage's end is marked."""
-    from liger_patch.ops import distillation_chunks as chunks
-    from liger_patch.ops import distillation_triton as triton_math
+    from liger_patch.ops.distillation import chunks as chunks
+    from liger_patch.ops.distillation import triton_chunk as triton_math
 
     walk = chunks.walk_chunks
 

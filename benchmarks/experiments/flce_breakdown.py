@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from common import MiB, bench, need_cuda, write_json  # noqa: E402
 
 from liger_patch import fused_linear_cross_entropy  # noqa: E402
-from liger_patch.ops import validation  # noqa: E402
-from liger_patch.ops.gemm import grad_view  # noqa: E402
-from liger_patch.ops.options import LossOptions  # noqa: E402
-from liger_patch.ops.triton.rows import ce_rows_triton  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core import validation  # noqa: E402
+from liger_patch.ops.core.gemm import grad_view  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
+from liger_patch.ops.cross_entropy.triton.rows import ce_rows_triton  # noqa: E402
 
 
 def stage_times(n: int, h_dim: int, v: int, rows: int, rep: int) -> dict:

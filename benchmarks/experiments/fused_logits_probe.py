@@ -1,4 +1,4 @@
-"""Is the fused logits GEMM (``ops/triton/logits.py``) worth it? Its parts, side by side.
+"""Is the fused logits GEMM (``ops/core/triton/logits.py``) worth it? Its parts, side by side.
 
 At one or more (N, H, V), in token chunks of the size the default budget gives, times:
 cuBLAS's logits GEMM over all chunks; the fused Triton GEMM (logits plus log-sum-exp partials)
@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common import bench, need_cuda, write_json  # noqa: E402
 
-from liger_patch.ops.budget import chunk_rows  # noqa: E402
-from liger_patch.ops.options import LossOptions  # noqa: E402
-from liger_patch.ops.triton import logits  # noqa: E402
-from liger_patch.ops.triton.rows import ce_rows_triton  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.budget import chunk_rows  # noqa: E402
+from liger_patch.ops.core.triton import logits  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
+from liger_patch.ops.cross_entropy.triton.rows import ce_rows_triton  # noqa: E402
 
 SHAPES = {"8192x4096x128256": (8192, 4096, 128256), "8192x2304x256000": (8192, 2304, 256000)}
 # (BM, BN, BK, stages, warps); 128x256x64 with 4 stages needs more shared memory than Hopper has.

@@ -1,4 +1,4 @@
-"""The head start (``ops/head_start.py``, perf-notes item 37) on and off, in one process.
+"""The head start (``ops/core/head_start.py``, perf-notes item 37) on and off, in one process.
 
 At grid heads, fwd+bwd, rotated over ``--rounds``, for each share of ignored labels:
 ``ours`` (the default: the first chunk's logits GEMM begun before the label check's wait),
@@ -26,7 +26,7 @@ import flce  # noqa: E402
 from common import environment, fwd_bwd, make_inputs, time_floor, write_json  # noqa: E402
 from host_sync_ab import CE_POINTS, _unsynced, rotated_medians  # noqa: E402
 
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 
 NO_HEAD = Tuning(head_start_gflop=0.0)
 

@@ -56,8 +56,9 @@ CE_POINTS = (  # (N, H, V) from docs/results/grid_no_ignored.md, small and large
 @contextlib.contextmanager
 def no_label_sync():
     """The label checks of both ops replaced by ones that read nothing back (every label kept)."""
-    from liger_patch.ops import distillation_operator, operator
-    from liger_patch.ops.kept_rows import CheckedLabels
+    from liger_patch.ops.core.kept_rows import CheckedLabels
+    from liger_patch.ops.cross_entropy import operator
+    from liger_patch.ops.distillation import operator as distillation_operator
 
     def trusted(labels, vocab, opts, divisor, num_items, started=None):
         return CheckedLabels(labels, None, None, labels.shape[0])
@@ -155,9 +156,9 @@ def distill_part(rounds: int, rep_ms: int) -> list[dict]:
 
 
 def rows_part(rep_ms: int) -> dict:
-    from liger_patch.ops.distillation_options import build_distill_options
-    from liger_patch.ops.triton import distill as kernel
-    from liger_patch.ops.triton.logits import logits_with_partials
+    from liger_patch.ops.core.triton.logits import logits_with_partials
+    from liger_patch.ops.distillation.options import build_distill_options
+    from liger_patch.ops.distillation.triton import rows as kernel
 
     rows, h, v = 1024, 2048, 128256
     gen = torch.Generator(device="cuda").manual_seed(0)

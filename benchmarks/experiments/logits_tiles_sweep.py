@@ -1,4 +1,4 @@
-"""The fused logits GEMM (``ops/triton/logits.py``) against cuBLAS at token-chunk shapes, for
+"""The fused logits GEMM (``ops/core/triton/logits.py``) against cuBLAS at token-chunk shapes, for
 several tile configurations ``(BM, BN, BK, stages, warps)`` (``Tuning.logits_tiles``).
 
 Each chunk shape (rows, H, V) is timed with ``do_bench`` (median): cuBLAS ``mm`` into a bf16
@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import bench, environment, write_json  # noqa: E402
 
-from liger_patch.ops.options import LossOptions  # noqa: E402
-from liger_patch.ops.triton import logits  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.triton import logits  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
 
 CHUNKS = (
     (2048, 2048, 128256),

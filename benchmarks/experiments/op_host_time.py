@@ -138,11 +138,11 @@ def _launch_costs() -> dict:
     """Host cost of each piece of one chunk at the h1024 head (768 kept rows a chunk), and of the
     op's forward and backward apart: where the op's host time goes."""
     import liger_patch as lp
-    from liger_patch.ops.options import DEFAULT_OPTIONS as opts
-    from liger_patch.ops.triton import logits as tl_logits
-    from liger_patch.ops.triton import rows as tl_rows
-    from liger_patch.ops.triton import scale as tl_scale
-    from liger_patch.ops.triton.common import jitted
+    from liger_patch.ops.core.triton import logits as tl_logits
+    from liger_patch.ops.core.triton import scale as tl_scale
+    from liger_patch.ops.core.triton.common import jitted
+    from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS as opts
+    from liger_patch.ops.cross_entropy.triton import rows as tl_rows
 
     n, h_size, rows = 4096, 1024, 768
     hidden, weight, _ = make_inputs(n, h_size, VOCAB, logit_std=3.0)

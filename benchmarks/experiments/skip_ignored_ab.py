@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from common import bench, environment, make_inputs, need_cuda, write_json  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 
 SHAPES = ((8192, 4096, 128256), (4096, 2560, 262144), (16384, 896, 151936))
 SHARES = (1 / 2048, 0.005, 0.02, 0.05, 0.2)

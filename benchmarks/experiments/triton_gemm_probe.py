@@ -10,7 +10,7 @@ through a Triton kernel that writes fp32 / bf16 / no logits plus (max, sum-exp) 
         --out benchmarks/experiments/results/triton_gemm_probe.json
 
 Stand-alone: its kernel is the probe's own (pointer loads, one tile per program), not the
-library's ``ops/triton/logits.py``, which came later (docs/perf-notes.md items 8 and 19).
+library's ``ops/core/triton/logits.py``, which came later (docs/perf-notes.md items 8 and 19).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ def no_label_sync() -> Callable[[], None]:
     """The op without its one host sync: the label check reports every row kept, so no sync and
     no skipping of ignored rows (every row goes through the kernels, ignored ones masked there).
     Labels are not range-checked in this variant."""
-    from liger_patch.ops import validation
+    from liger_patch.ops.core import validation
 
     original = validation.check_values
     validation.check_values = lambda labels, vocab, ignore_index, divisor=None: labels.numel()

@@ -45,7 +45,7 @@ POINTS = (  # (N, H, V, softcap): where ours_all_rows trailed torch.compile in d
 def planned_rows(n: int, h: int, v: int, budget: int) -> int:
     """The token-chunk rows ours plans for this call (the planner's own answer, recorded)."""
     from liger_patch import fused_linear_cross_entropy
-    from liger_patch.ops import chunked
+    from liger_patch.ops.cross_entropy import chunks as chunked
 
     seen = []
     real = chunked.plan_chunks

@@ -48,9 +48,9 @@ import torch
 import torch.nn as nn
 
 from liger_patch.integrations.gathered_backward import GatheredBackward
-from liger_patch.ops.fused_linear_ce import autocast_inputs, fused_loss
-from liger_patch.ops.logprobs import temperature_options
-from liger_patch.ops.options import (
+from liger_patch.ops.cross_entropy.functional import autocast_inputs, fused_loss
+from liger_patch.ops.cross_entropy.logprobs import temperature_options
+from liger_patch.ops.cross_entropy.options import (
     LOSS_OPTIONS,
     LossOptions,
     OptionKind,
@@ -58,7 +58,7 @@ from liger_patch.ops.options import (
     constant_changes,
     option_defaults,
 )
-from liger_patch.ops.torch_ce import final_logits
+from liger_patch.ops.cross_entropy.rows import final_logits
 from liger_patch.patching.apply import after_apply
 from liger_patch.patching.head import adapter_term
 from liger_patch.patching.sharded_head import is_zero3_partitioned

@@ -6,7 +6,7 @@
   with ``u = s A dropout(h)``. :func:`low_rank_term` computes ``u`` with PEFT's own modules
   (input cast, dropout, ``lora_A``, scaling: plain LoRA and rsLoRA alike) for every active adapter
   PEFT's forward would apply, concatenated along the rank with their ``lora_B`` weights, and the op
-  adds ``u B^T`` to each logits chunk (``ops/low_rank.py``): no ``V x H`` copy of the effective
+  adds ``u B^T`` to each logits chunk (``ops/cross_entropy/low_rank.py``): no ``V x H`` copy of the effective
   weight, and the gradients of ``lora_A``, ``lora_B`` and the hidden states come from autograd
   through ``u`` and ``B``. Disabled adapters (``disable_adapter()``) and merged ones
   (``merge_adapter()``: the base weight holds ``B A`` already) add no term, as in PEFT's forward.

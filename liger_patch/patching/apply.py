@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
-from liger_patch.ops.options import LossOptions, options_docstring, options_parameters
+from liger_patch.ops.cross_entropy.options import LossOptions, options_docstring, options_parameters
 from liger_patch.patching.derive import instance_refusal, spec_for, spec_for_model_type
 from liger_patch.patching.forward import FORWARD_SETS, is_liger_forward, make_liger_forward, set_by_forward
 from liger_patch.patching.head import fusable_head, unfusable_head_message

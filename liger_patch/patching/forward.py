@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 
 from liger_patch import env
-from liger_patch.ops.options import FLAG_NAMES, build_options
-from liger_patch.ops.outputs import OUTPUT_NAMES
+from liger_patch.ops.cross_entropy.options import FLAG_NAMES, build_options
+from liger_patch.ops.cross_entropy.outputs import OUTPUT_NAMES
 from liger_patch.patching.call import bind_call, positional_names, wants_fused_path
 from liger_patch.patching.capture import HeadCapture
 from liger_patch.patching.causal_loss import causal_lm_loss

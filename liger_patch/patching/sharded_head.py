@@ -26,10 +26,10 @@ FSDP2 unit, whose weight the root already gathered) calls the op directly, as be
 the weight over the vocabulary for good: it is a ``DTensor`` with one ``Shard(0)`` placement
 (others ``Replicate``), inside the head's call too. :func:`vocab_shard` reads this rank's rows,
 their offset and the process group from it, and the loss runs as the vocabulary-parallel op
-(``ops/vocab_parallel.py``) on the local rows, never calling the head (its tensor-parallel forward
-would gather the logits). Under FSDP2 as well (a 2-D mesh) the head's own call comes first, so
-that FSDP2 gathers its shard of the data-parallel dimension, and the vocabulary-parallel op runs
-inside it.
+(``ops/cross_entropy/vocab_parallel.py``) on the local rows, never calling the head (its
+tensor-parallel forward would gather the logits). Under FSDP2 as well (a 2-D mesh) the head's
+own call comes first, so that FSDP2 gathers its shard of the data-parallel dimension, and the
+vocabulary-parallel op runs inside it.
 
 A weight that is still sharded *inside* the head's forward in any other way (``Shard(1)``,
 ``Partial``, a ZeRO-3 model that was not wrapped by the DeepSpeed engine) raises an error saying
@@ -47,9 +47,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.ops.fused_linear_ce import fused_loss
-from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
-from liger_patch.ops.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.ops.cross_entropy.functional import fused_loss
+from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions
+from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard, vocab_parallel_loss
 from liger_patch.patching.adapters import is_lora_head, low_rank_term
 
 __all__ = [

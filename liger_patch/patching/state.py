@@ -1,7 +1,7 @@
 """What a patch attaches to a model or class (:class:`PatchState`), and how to find it.
 
 ``apply_liger_to`` sets a ``PatchState`` on the patched object under :data:`STATE_ATTR`: the
-registry row, the user's loss options (one :class:`~liger_patch.ops.options.LossOptions`),
+registry row, the user's loss options (one :class:`~liger_patch.ops.cross_entropy.options.LossOptions`),
 what ``revert_liger`` puts back, and the z-loss tracker the Trainer callback logs from.
 :func:`patch_state` is the public way to read it, through PEFT and ``torch.compile`` wrappers.
 """
@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from liger_patch import env
-from liger_patch.ops.budget import BATCH_BUDGET
-from liger_patch.ops.options import DEFAULT_OPTIONS, LossOptions
+from liger_patch.ops.core.budget import BATCH_BUDGET
+from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions
 from liger_patch.patching.registry import ModelSpec
 
 __all__ = [

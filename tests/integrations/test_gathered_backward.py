@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from liger_patch.integrations.gathered_backward import GatheredBackward
-from liger_patch.ops.logprobs import fused_linear_logprobs
+from liger_patch.ops.cross_entropy.logprobs import fused_linear_logprobs
 from tests.integrations.fake_zero3 import FakeZero3, storage_holders
 
 N, H, V = 9, 16, 37

@@ -409,7 +409,7 @@ def _fields_with(seed: int, **options):
 def test_loss_and_output_options_leave_trls_fields_alone(name):
     """TRL builds its loss from the log-probs: a patch's loss-math option (token scaling would
     hand TRL p_y * log p_y) or output option changes none of the five fields."""
-    from liger_patch.ops.options import LOSS_OPTIONS, OUTPUT_OPTIONS
+    from liger_patch.ops.cross_entropy.options import LOSS_OPTIONS, OUTPUT_OPTIONS
     from liger_patch.patching.forward import FORWARD_SETS
 
     assert set(PATCH_OPTION_SAMPLES) == set(LOSS_OPTIONS + OUTPUT_OPTIONS) - set(FORWARD_SETS)

@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GraniteConfig  # no
 
 from liger_patch import LigerPatchCallback, apply_liger_to  # noqa: E402
 from liger_patch.integrations import trl_distillation, trl_gkd  # noqa: E402
-from liger_patch.ops.distillation_options import DistillOptions  # noqa: E402
-from liger_patch.ops.tuning import Tuning  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.distillation.options import DistillOptions  # noqa: E402
 from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

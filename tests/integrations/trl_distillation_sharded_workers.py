@@ -330,7 +330,7 @@ def fsdp2_teacher_unit(paths: dict, counts: Counts, place: Place = CPU) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from liger_patch.integrations.distill_heads import DistillSide, distill_on_heads
-    from liger_patch.ops.distillation import fused_linear_distillation
+    from liger_patch.ops.distillation.functional import fused_linear_distillation
 
     g = torch.Generator().manual_seed(30)  # the same on both ranks: FSDP2's averaged gradient is each one's
     hs, ht = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 96, generator=g)
@@ -507,7 +507,7 @@ def zero3_teacher_engine(student, teacher, counts: Counts, place: Place = CPU) -
     import deepspeed
 
     from liger_patch.integrations.distill_heads import DistillSide, distill_on_heads
-    from liger_patch.ops.distillation import fused_linear_distillation
+    from liger_patch.ops.distillation.functional import fused_linear_distillation
 
     config = {
         "train_micro_batch_size_per_gpu": 1,

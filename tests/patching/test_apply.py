@@ -245,14 +245,14 @@ def test_an_instance_level_wrapper_keeps_running_on_the_fused_path():
 
 def _distinct_runs(values: list) -> list:
     """``values`` with repeats in a row collapsed: a forward may resolve its budget more than once
-    (every row's before the label check, for ``ops/head_start.py``; the kept rows' after)."""
+    (every row's before the label check, for ``ops/core/head_start.py``; the kept rows' after)."""
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
 def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     """apply_liger_to(memory_budget=...) is what the fused loss gets; liger_patched restores the
     previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time."""
-    from liger_patch.ops import budget
+    from liger_patch.ops.core import budget
 
     seen = []
     real = budget.resolve_budget
@@ -280,7 +280,7 @@ def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(mon
     """With no memory_budget and LIGER_MEMORY_BUDGET unset, the fused loss of a patched forward
     gets "batch" (sized by the hidden states and by one chunk of the call's rows,
     ops.budget.batch_budget); the environment and an explicit option still win."""
-    from liger_patch.ops import budget
+    from liger_patch.ops.core import budget
 
     seen, wholes = [], []
     real = budget.resolve_budget
@@ -347,7 +347,7 @@ def test_unknown_options_are_refused_listing_the_options():
 def test_signatures_and_docs_list_the_options():
     import inspect
 
-    from liger_patch.ops.options import OPTION_NAMES
+    from liger_patch.ops.cross_entropy.options import OPTION_NAMES
     from liger_patch.patching.forward import FORWARD_SETS
 
     taken = [name for name in OPTION_NAMES if name not in FORWARD_SETS]

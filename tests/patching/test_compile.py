@@ -1,6 +1,6 @@
 """The whole patched model under torch.compile equals eager (loss and gradients).
 
-The fused loss is a registered operator (liger_patch/ops/operator.py), so a patched model
+The fused loss is a registered operator (liger_patch/ops/cross_entropy/operator.py), so a patched model
 compiles with ``fullgraph=True`` in one graph, with dynamic shapes, and (on CUDA) under
 ``mode="reduce-overhead"`` (CUDA graphs).
 """

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liger_patch.ops.options import LossOptions
+from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.patching.capture import HeadCapture
 from liger_patch.patching.causal_loss import causal_lm_loss
 from liger_patch.patching.deferred import DeferredLogits, replace_deferred

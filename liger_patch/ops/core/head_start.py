@@ -1,0 +1,128 @@
+"""The first token chunk's logits GEMM, started before the forward's host sync.
+
+The label check (``kept_rows``) reads a few values back to the host, and the GPU then waits
+while the host sets up the chunk loop: 0.3-0.5 ms a call, 5-11 % of a small head on an H100
+(docs/perf-notes.md item 35). ``start`` launches the fused logits GEMM for the first rows of
+the first token chunk, into that chunk's own buffers, after the check's device work and before
+its values are waited for, so the GPU computes while the host waits. Whether the call will walk
+every row or only the kept ones is what the check reads; the head is started for what the last
+call of this shape did (``expects_skip``): every row's first rows as views, or the first kept
+rows (``nonzero_static``, no sync) gathered. If the call then walks its rows that way with that
+plan, ``finish`` computes the chunk's other rows into the same buffers and the chunk goes on as
+any other: every row's logits come from the same kernel and tiles, so results are bit for bit
+those of one launch. Otherwise the buffers are dropped, and the GEMM spent on them (measured:
+up to 0.4 ms at the smallest heads, item 37) is lost, once, until the record says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liger_patch import env
+from liger_patch.ops.core.backends import Backend
+from liger_patch.ops.core.gemm import chunk_logits
+from liger_patch.ops.cross_entropy.options import LossOptions
+
+_ROW_ALIGN = 128  # the fused GEMM's row tile on CUDA: each launch covers whole tiles
+_INTERPRET_ROW_ALIGN = 16  # its row tile under the interpreter
+
+
+_LAST_SKIPPED: dict[tuple, bool] = {}  # (device, rows, vocab) -> whether that call skipped rows
+
+
+def expects_skip(key: tuple) -> bool:
+    """Whether the last forward of this ``(device, rows, vocab)`` skipped ignored rows."""
+    return _LAST_SKIPPED.get(key, False)
+
+
+def remember(key: tuple, skipped: bool) -> None:
+    if len(_LAST_SKIPPED) >= 256 and key not in _LAST_SKIPPED:
+        _LAST_SKIPPED.clear()
+    _LAST_SKIPPED[key] = skipped
+
+
+@dataclass
+class HeadStart:
+    """The first chunk's buffers (as many rows as it may have) with rows ``[0, done)`` of its
+    logits and partials computed, over every row or over the kept rows (``gathered``); ``take``
+    hands them over once."""
+
+    logits: torch.Tensor | None  # (rows, V)
+    partials: tuple | None  # (pmax, psum, pz), rows as ``logits``
+    done: int
+    gathered: bool
+
+    def fits(self, gathered: bool, first_rows: int) -> bool:
+        """Whether a token pass over every row, or the kept ones (``gathered``), whose first
+        chunk has ``first_rows`` rows begins with the chunk this head began."""
+        return self.logits is not None and gathered == self.gathered and first_rows <= self.logits.shape[0]
+
+    def take(self) -> tuple[torch.Tensor, tuple]:
+        logits, partials = self.logits, self.partials
+        self.logits = self.partials = None  # the caller's now: freed with its chunk
+        return logits, partials
+
+
+def head_rows(gflop: float, hidden_size: int, vocab: int, first_rows: int) -> int:
+    """Rows of the first chunk to compute before the sync: about ``gflop`` of logits GEMM,
+    in whole row tiles, at most the chunk."""
+    if gflop <= 0 or first_rows == 0 or hidden_size * vocab == 0:
+        return 0
+    align = _INTERPRET_ROW_ALIGN if env.triton_interpret() else _ROW_ALIGN
+    rows = math.ceil(gflop * 1e9 / (2 * hidden_size * vocab) / align) * align
+    return min(rows, first_rows)
+
+
+def start(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    opts: LossOptions,
+    logits_dtype: torch.dtype,
+    fused: Backend,
+    first: int,
+    keep: torch.Tensor | None = None,
+) -> HeadStart | None:
+    """Launch the first ``head_rows`` rows (``Tuning.head_start_gflop``) of the token pass's
+    first chunk, of at most ``first`` rows, over every row of ``h``, or with ``keep`` (the kept
+    rows' mask) over the kept ones, with ``fused``'s logits GEMM; ``None`` when there is nothing
+    to start or the GEMM does not take the chunk."""
+    done = head_rows(opts.tuning.head_start_gflop, h.shape[1], w.shape[0], first)
+    gemm = fused.fused_logits
+    if done == 0 or not gemm.supported(h[:first], w, logits_dtype, opts.tuning):
+        return None
+    if keep is None:
+        rows = h[:done]
+    else:  # the first ``done`` kept rows; past the last kept one, row 0 (computed, never used)
+        rows = h.index_select(0, torch.nonzero_static(keep, size=done, fill_value=0).view(-1))
+    logits = torch.empty(first, w.shape[0], dtype=logits_dtype, device=h.device)
+    partials = gemm.new_partials(first, w.shape[0], opts, h.device)
+    chunk_logits(rows, w, b, opts, logits_dtype, logits[:done], fused, _rows(partials, 0, done))
+    return HeadStart(logits, partials, done, keep is not None)
+
+
+def finish(
+    head: HeadStart,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    opts: LossOptions,
+    logits_dtype: torch.dtype,
+    fused: Backend,
+) -> tuple[torch.Tensor, tuple]:
+    """The first chunk's logits and partials: the rows ``start`` left, from the chunk's hidden
+    rows ``h``, computed into the same buffers (their first ``h.shape[0]`` rows)."""
+    logits, partials = head.take()
+    rows = h.shape[0]
+    logits, partials = logits[:rows], _rows(partials, 0, rows)
+    if head.done < rows:
+        rest = _rows(partials, head.done, rows)
+        chunk_logits(h[head.done :], w, b, opts, logits_dtype, logits[head.done :], fused, rest)
+    return logits, partials
+
+
+def _rows(partials: tuple, start: int, stop: int) -> tuple:
+    return tuple(None if p is None else p[start:stop] for p in partials)

@@ -1,0 +1,128 @@
+"""``Tuning``: the measured knobs of the fused loss, in one object that callers pass in.
+
+Every default here was measured on an H200 (the item numbers are those of docs/perf-notes.md).
+Nothing reads a module-level switch: tests and benchmarks that want another setting pass
+``tuning=Tuning(...)`` to the op (or to ``apply_liger_to``) instead of patching a module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the fused loss runs; never what it computes (every setting gives the same result to
+    rounding).
+
+    Attributes:
+        fused_logits: compute token chunks' logits with the Triton GEMM that also leaves the
+            log-sum-exp partials, where the hardware and the chunk allow it. Items 19-20: the
+            whole op gained 0.4-0.9 ms at the four benchmark shapes (interleaved A/B,
+            ``benchmarks/experiments/results/chunk_sweep.json``, key ``fused_ab``).
+        reverse_pass2: the Triton row kernel's second pass walks each row backwards, so the
+            blocks its first pass read last are still in L2 (``benchmarks/experiments/chunk_sweep.py``).
+        row_block: the Triton row kernel's largest block of columns per step; a row narrower
+            than this uses the next power of two (at least 128).
+        row_warps: ``(block at least, warps)`` pairs, first match wins: the warps per row for
+            a given block. Measured at V=128256: 8192 x 16 warps was the best of five.
+        logits_tiles: the fused logits GEMM's ``(BM, BN, BK, stages, warps)``; item 19: the
+            best of those tried on an H100 and an H200.
+        min_token_chunk_rows: below this many rows per token chunk the two-pass path computes
+            grad_W instead: a grad_W GEMM over 512-row chunks already costs ~30 % more than one
+            over all tokens, and each halving of the chunk adds a full extra pass over grad_W.
+        chunk_rows: when set, every chunk the budget would size gets exactly this many rows
+            (token chunks) or columns (pass B's vocabulary blocks). For tests and sweeps.
+        two_pass: force the two-pass path on (``True``) or off (``False``); ``None`` applies
+            ``min_token_chunk_rows``.
+        balanced_chunks: split the tokens into as few chunks as the budget allows, all of
+            nearly one size (a multiple of 128 rows), instead of budget-sized chunks (a multiple
+            of 256 rows) and a remainder: N=8192 at V=152064 runs as 5 chunks of 1664 rows
+            rather than 5 of 1536 and one of 512. Item 26: no consistent gain over the grid
+            (-5 % to +3 %), so off.
+        fp32_grad_weight: accumulate grad_W across token chunks in fp32 (``True``) or in the
+            weight's dtype (``False``); ``None``: fp32 where the GEMMs run in fp32 (the CPU),
+            the weight's dtype elsewhere (item 3: the weight-dtype sum saved 3.7 ms and 1.5 GiB
+            at N=8192, V=128256; item 25: at H=2048, V=49152, where an fp32 copy fits beside
+            the chunks, it cost 1.22-1.34x the floor against 1.15x for the weight-dtype sum).
+        skip_ignored_share: when at least this share of a forward's labels is ``ignore_index``,
+            its token chunks gather the kept rows and skip the ignored ones, so every GEMM
+            shrinks by that share (item 28); below it, the gathers would cost more than the rows
+            they save. ``1.0`` or more turns skipping off; ``0.0`` skips any ignored row.
+        head_start_gflop: about this many GFLOP of the first token chunk's fused logits GEMM
+            are launched before the forward waits for its label check (``head_start.py``), so
+            the GPU computes while the host waits and sets up the chunk loop; ``0`` turns it
+            off. Item 37: the wait cost 0.3-0.5 ms a call on an H100 (item 35); 300 GFLOP is
+            about 0.5 ms of the GEMM there.
+    """
+
+    fused_logits: bool = True
+    reverse_pass2: bool = True
+    row_block: int = 8192
+    row_warps: tuple[tuple[int, int], ...] = ((8192, 16), (2048, 8), (0, 4))
+    logits_tiles: tuple[int, int, int, int, int] = (128, 256, 64, 3, 8)
+    min_token_chunk_rows: int = 512
+    chunk_rows: int | None = None
+    two_pass: bool | None = None
+    fp32_grad_weight: bool | None = None
+    balanced_chunks: bool = False
+    skip_ignored_share: float = 0.05
+    head_start_gflop: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("row_block", "min_token_chunk_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Tuning.{name} must be an int >= 0, got {value!r}")
+        if self.chunk_rows is not None and (
+            isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1
+        ):
+            raise ValueError(f"Tuning.chunk_rows must be None or an int >= 1, got {self.chunk_rows!r}")
+        if not self.row_warps or any(len(pair) != 2 for pair in self.row_warps):
+            raise ValueError(
+                f"Tuning.row_warps must be (block at least, warps) pairs, got {self.row_warps!r}"
+            )
+        share = self.skip_ignored_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share >= 0:
+            raise ValueError(f"Tuning.skip_ignored_share must be a number >= 0, got {share!r}")
+        gflop = self.head_start_gflop
+        if isinstance(gflop, bool) or not isinstance(gflop, (int, float)) or not 0 <= gflop < math.inf:
+            raise ValueError(f"Tuning.head_start_gflop must be a finite number >= 0, got {gflop!r}")
+        if len(self.logits_tiles) != 5:
+            raise ValueError(
+                f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}"
+            )
+
+        # Every setting as one string (not a field): how options travel into a compiled graph,
+        # where torch 2.11's dynamo cannot rebuild a frozen dataclass passed as a constant.
+        object.__setattr__(self, "key", json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def from_key(key: str) -> Tuning:
+        """The tuning ``key`` was made from (``Tuning(...).key``)."""
+        values = json.loads(key)
+        values["row_warps"] = tuple(map(tuple, values["row_warps"]))
+        values["logits_tiles"] = tuple(values["logits_tiles"])
+        return Tuning(**values)
+
+    def __repr__(self) -> str:
+        changed = (f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
+        return f"Tuning({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in changed)})"
+
+    def skips_ignored(self, n_rows: int, n_kept: int) -> bool:
+        """Whether a forward over ``n_rows`` labels of which ``n_kept`` are kept walks only the
+        kept rows: some are ignored, at least ``skip_ignored_share`` of them."""
+        n_ignored = n_rows - n_kept
+        return n_ignored > 0 and n_ignored >= self.skip_ignored_share * n_rows
+
+    def warps_for(self, block: int) -> int:
+        """Warps for a row-kernel block of ``block`` columns (``row_warps``, first match)."""
+        return next((warps for at_least, warps in self.row_warps if block >= at_least), self.row_warps[-1][1])
+
+
+DEFAULT_TUNING = Tuning()

@@ -1,0 +1,383 @@
+"""The fused loss on a weight sharded over the vocabulary (tensor parallelism), never building
+``tokens x V`` logits, nor ``tokens x V/tp``: only chunks within the memory budget.
+
+Each rank of a process group holds rows ``[offset, offset + V_r)`` of the (V, H) weight (and of
+the bias) and the *same* hidden states and labels as the other ranks of its group (a
+tensor-parallel head: ``ColwiseParallel``, transformers' ``tp_plan``). The loss and its
+gradients are exactly those of the unsharded op:
+
+* forward (one logits GEMM per token, in chunks): each rank computes per token the numbers of
+  ``shard_stats`` over its columns (log-sum-exp, the label's logit when the label is in its
+  shard, and what the options need); one all-gather brings every shard's numbers to every rank,
+  which combines them (``shard_math.combine``) into the rows' log-sum-exp, label logit, etc.,
+  and computes the loss with the row kernel's own row math (``torch_ce.row_loss``: an option of
+  the row math needs no edit here): the same value on every rank;
+* backward (three GEMMs per token): the chunked executor recomputes the shard's logits and turns
+  them into d(loss)/d(logits) with the whole rows' log-sum-exp; the row kernels take a block of
+  columns of wider rows (``col_offset``, ``vocab_total``), so labels outside the shard, label
+  smoothing over all V and class weights come out right. Each rank's grad_W and grad_b are its
+  shard's, complete; grad_h is summed over the group (one all-reduce, as the unpatched
+  tensor-parallel head does).
+
+Four GEMMs per token instead of the unsharded op's three: the gradient needs the rows' global
+log-sum-exp, known only once every shard has been seen, so the forward cannot compute the
+gradients while its chunk is hot. The memory stays one chunk per rank.
+
+Collectives per call, the same number whatever the chunking (ranks' chunk plans differ when V does
+not divide evenly): one all-reduce of a few integers (the ranks agree on the token count, the
+labels, that every label is in [0, V), and which gradients are wanted, before anything that could
+hang), one all-gather of ``k x N`` numbers (k <= 6), and in the backward the all-reduce of grad_h.
+One host sync per forward (the agreement), as the unsharded op's label check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from liger_patch.ops.core import validation
+from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
+from liger_patch.ops.cross_entropy import outputs, shard_math
+from liger_patch.ops.cross_entropy.functional import autocast_inputs
+from liger_patch.ops.cross_entropy.operator import class_weight_record, recompute_grads
+from liger_patch.ops.cross_entropy.options import (
+    DEFAULT_OPTIONS,
+    LossOptions,
+    build_options,
+    check_logits_dtype,
+    constant_changes,
+)
+from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad
+from liger_patch.ops.cross_entropy.rows import RowStats, row_loss
+
+__all__ = [
+    "VocabShard",
+    "all_gather_stats",
+    "check_ranks_agree",
+    "check_shard_tensors",
+    "shard_backend",
+    "vocab_parallel_loss",
+]
+
+_F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's rows of a vocabulary-sharded weight sit: rows ``[offset, offset + V_r)``
+    of ``vocab`` (V_r is the local weight's row count), the other shards held by the other ranks
+    of ``group`` (``None``: the default group). An empty shard (V_r = 0) is allowed."""
+
+    offset: int
+    vocab: int
+    group: Any = None
+
+    def check(self, rows: int) -> None:
+        """Raise unless ``rows`` rows from ``offset`` fit in ``vocab``."""
+        if not (self.offset >= 0 and self.offset + rows <= self.vocab):
+            raise ValueError(
+                f"a vocabulary shard of {rows} rows at offset {self.offset} does not fit in V={self.vocab}"
+            )
+
+
+def shard_backend(base: Backend, shard: VocabShard) -> Backend:
+    """``base`` with a row kernel that reads the shard's logits as columns ``[offset, offset + V_r)``
+    of rows of ``shard.vocab`` logits, so ``chunked.run_chunks`` computes the shard's gradients
+    from the whole rows' log-sum-exp (``lse_in``) unchanged. Its column blocks (the two-pass path)
+    are blocks of the shard: their offsets are shifted by the shard's."""
+
+    def row_kernel(
+        logits: Tensor,
+        labels: Tensor,
+        opts: LossOptions,
+        grad: Tensor | None = None,
+        coef_ce: Tensor | None = None,
+        coef_z: Tensor | None = None,
+        lse_in: Tensor | None = None,
+        col_offset: int = 0,
+        vocab_total: int | None = None,
+        **records: Any,
+    ) -> tuple[Tensor | None, Tensor]:
+        if lse_in is None:
+            raise ValueError("a vocabulary shard's row kernel needs the whole rows' log-sum-exp (lse_in)")
+        offset = shard.offset + col_offset
+        return base.row_kernel(
+            logits, labels, opts, grad, coef_ce, coef_z, lse_in, offset, shard.vocab, **records
+        )
+
+    return dataclasses.replace(base, row_kernel=row_kernel, fused_logits=None)
+
+
+def _flags(
+    labels: Tensor,
+    vocab: int,
+    opts: LossOptions,
+    user_divisor: Tensor | None,
+    needs: list[bool],
+    maxima: tuple[int, ...],
+):
+    """This rank's ``[*maxima, bad label, bad divisor, *same, *(-same)]`` (int64), ``same`` being
+    what every rank of the group must agree on: the token count, the labels' sum, the kept
+    tokens' count (the distillation op walks the kept tokens' chunks with a collective each),
+    the gradients wanted."""
+    device = labels.device
+    keep = labels != opts.ignore_index
+    bad_label = (keep & ((labels < 0) | (labels >= vocab))).any()
+    bad_divisor = torch.zeros((), dtype=torch.bool, device=device)
+    if user_divisor is not None:
+        bad_divisor = ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
+    same = torch.stack([torch.tensor(labels.shape[0], device=device), labels.sum(), keep.sum()])
+    same = torch.cat([same, torch.tensor([int(x) for x in needs], device=device)])
+    flags = torch.stack([bad_label, bad_divisor]).long()
+    return torch.cat([torch.tensor(maxima, dtype=torch.long, device=device), flags, same, -same])
+
+
+def check_ranks_agree(
+    labels: Tensor,
+    shard: VocabShard,
+    opts: LossOptions,
+    user_divisor: Tensor | None,
+    needs: list[bool],
+    maxima: tuple[int, ...] = (),
+) -> list[int]:
+    """Raise on every rank of the group, never on some only (the others would wait in the next
+    collective): for a label outside [0, V) (IndexError, as ``validation.check_values``), a bad
+    ``num_items_in_batch`` tensor (ValueError), or ranks that passed different tokens (count,
+    labels or kept count) or want different gradients (ValueError). One all-reduce (max) of a few integers and
+    one host sync: the values that must agree travel as v and -v, so max(-v) = -min(v). Returns
+    the group's largest value of each of this rank's ``maxima`` (what every rank must size alike,
+    such as the chunks of a pass with a collective per chunk)."""
+    flags = _flags(labels, shard.vocab, opts, user_divisor, needs, maxima)
+    reduced = flags.clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=shard.group)
+    mine, group = torch.stack([flags, reduced]).tolist()
+    agreed, mine, group = group[: len(maxima)], mine[len(maxima) :], group[len(maxima) :]
+    if mine[0] or mine[1]:
+        validation.check_values(labels, shard.vocab, opts.ignore_index, user_divisor)  # raises, saying which
+    if group[0]:
+        raise IndexError(
+            f"a label on another rank of the vocabulary-parallel group is outside [0, {shard.vocab}) and "
+            f"is not ignore_index={opts.ignore_index}"
+        )
+    if group[1]:
+        raise ValueError(
+            "num_items_in_batch on another rank of the vocabulary-parallel group is not finite and >= 0"
+        )
+    k = (len(group) - 2) // 2
+    if group[2 : 2 + k] != [-x for x in group[2 + k :]]:
+        raise ValueError(
+            "the ranks of a vocabulary-parallel group passed different tokens (counts or labels) or want "
+            f"different gradients (here {labels.shape[0]} tokens): every rank of a tensor-parallel group "
+            "must compute the loss of the same tokens"
+        )
+    return agreed
+
+
+def all_gather_stats(stats: Tensor, group: Any) -> Tensor:
+    """Every rank's ``(k, N)`` statistics, as ``(ranks, k, N)`` (ranks in the group's order)."""
+    world = dist.get_world_size(group)
+    out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    gather(out, stats.contiguous(), group=group)
+    return out.view(world, *stats.shape)
+
+
+@dataclass
+class _Rows:
+    """Per-token results of the forward: the loss terms and what the backward needs."""
+
+    ce: Tensor
+    z: Tensor
+    lse: Tensor
+    token_scale: Tensor | None
+    argmax: Tensor | None
+    entropy: Tensor | None
+
+
+def _rows(
+    comb: dict[str, Tensor], labels: Tensor, opts: LossOptions, cw: ClassWeight | None, vocab: int
+) -> _Rows:
+    """The loss terms per token from the combined values, through the row kernel's own row math
+    (``torch_ce.row_loss``): 0 at ignored tokens."""
+    keep = labels != opts.ignore_index
+    stats = RowStats(comb["lse"], comb["label_logit"], comb.get("logit_sum"))
+    ce, token_scale = row_loss(stats, labels, opts, cw, vocab, token_scaling=opts.use_token_scaling)
+    zero = torch.zeros((), dtype=_F32, device=labels.device)
+    lse = torch.where(keep, stats.lse, zero)
+    z_rows = z_loss_rows(lse, opts, token_scale)
+    argmax = comb.get("argmax")
+    if argmax is not None:
+        argmax = torch.where(keep, argmax, -1)
+    entropy = comb.get("entropy")
+    if entropy is not None:
+        entropy = torch.where(keep, entropy, zero)
+    return _Rows(ce, z_rows, lse, token_scale, argmax, entropy)
+
+
+def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
+    return torch.empty(0, dtype=dtype, device=like.device)
+
+
+class _VocabParallelLoss(torch.autograd.Function):
+    """``(loss, z_loss, argmax, entropy rows)`` of a vocabulary shard; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, class_weight, num_items, num_items_value, shard, opts):
+        labels = labels.long().contiguous()
+        keep = labels != opts.ignore_index
+        cw = class_weight_record(class_weight)
+        divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
+        needs = list(ctx.needs_input_grad[:3])
+        check_ranks_agree(labels, shard, opts, divisor if num_items is not None else None, needs)
+        names = shard_math.stat_names(opts)
+        with torch.autocast(hidden.device.type, enabled=False):
+            stats = shard_math.shard_stats(
+                pick(opts.backend, hidden.device), hidden, weight, bias, labels, opts, shard.offset, cw
+            )
+        rows = _rows(
+            shard_math.combine(all_gather_stats(stats, shard.group), names), labels, opts, cw, shard.vocab
+        )
+        loss = reduce_rows(rows.ce + rows.z, opts.reduction, divisor)
+        z_loss = reduce_rows(rows.z, opts.reduction, divisor)
+        row_weight = row_weights(keep, opts.reduction, divisor)
+        if rows.token_scale is not None:
+            row_weight = row_weight * rows.token_scale
+        argmax = rows.argmax if rows.argmax is not None else _empty(hidden, torch.int64)
+        entropy = rows.entropy if rows.entropy is not None else _empty(hidden)
+        ctx.mark_non_differentiable(argmax)
+        if rows.entropy is None:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, labels, class_weight, rows.lse, row_weight, entropy)
+        ctx.shard, ctx.opts = shard, opts
+        return loss, z_loss, argmax, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy):
+        hidden, weight, bias, labels, class_weight, lse, row_weight, entropy = ctx.saved_tensors
+        opts, shard = ctx.opts, ctx.shard
+        needs = ctx.needs_input_grad[:3]
+        zero = torch.zeros((), dtype=_F32, device=hidden.device)
+        g_loss = zero if grad_loss is None else grad_loss.float()
+        g_z = zero if grad_z is None or opts.z_loss_scale == 0.0 else grad_z.float()
+        entropy_grad = None if grad_entropy is None else EntropyGrad(grad_entropy.float(), entropy)
+        grads = _shard_grads(
+            (hidden, weight, bias),
+            labels,
+            class_weight,
+            lse,
+            shard,
+            opts,
+            needs,
+            coef_ce=g_loss * row_weight,
+            coef_z=(g_loss + g_z) * row_weight,
+            entropy_grad=entropy_grad,
+        )
+        if needs[0]:
+            dist.all_reduce(grads[0], group=shard.group)  # every shard's part of d loss / d hidden
+        return (*grads, None, None, None, None, None, None)
+
+
+def _shard_grads(
+    inputs: tuple[Tensor, Tensor, Tensor | None],
+    labels: Tensor,
+    class_weight: Tensor | None,
+    lse: Tensor,
+    shard: VocabShard,
+    opts: LossOptions,
+    needs: tuple[bool, ...],
+    *,
+    coef_ce: Tensor,
+    coef_z: Tensor,
+    entropy_grad: EntropyGrad | None,
+) -> list[Tensor | None]:
+    """This rank's gradients of hidden (its shard's part), weight and bias (its shard's, complete),
+    from per-row coefficients of d ce and d z-loss (and of the entropy), as ``flce_backward``."""
+    hidden, weight, bias = inputs
+    if weight.shape[0] == 0:  # an empty shard adds nothing to grad_h, and has no rows of its own
+        return [
+            torch.zeros_like(t) if need and t is not None else None
+            for t, need in zip((hidden, weight, bias), needs, strict=True)
+        ]
+    res = recompute_grads(
+        shard_backend(pick(opts.backend, hidden.device), shard),
+        inputs,
+        labels,
+        class_weight,
+        opts,
+        needs,
+        lse=lse,
+        coef_ce=coef_ce,
+        coef_z=coef_z,
+        entropy_grad=entropy_grad,
+    )
+    return [res.grad_hidden, res.grad_weight, res.grad_bias]
+
+
+def check_shard_tensors(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    class_weight: Tensor | None,
+    shard: VocabShard,
+) -> None:
+    """``validation``'s checks, for a shard: it may have no rows (V not much larger than the group),
+    and class weights are one per class of all V."""
+    rows = weight.shape[0] if weight.dim() == 2 else 1
+    stand_in = weight.new_zeros(()).expand(1, weight.shape[-1]) if rows == 0 else weight
+    validation.check_tensors(hidden, stand_in, labels, bias if rows else None)
+    if rows == 0 and bias is not None and tuple(bias.shape) != (0,):
+        raise ValueError(f"bias must have shape (0,) like the shard's weight; got {tuple(bias.shape)}")
+    shard.check(rows)
+    if class_weight is not None:  # checked against a (V, H) stand-in for the whole weight
+        validation.check_class_weight(
+            class_weight, weight.new_zeros(()).expand(shard.vocab, weight.shape[-1])
+        )
+
+
+def vocab_parallel_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    shard: VocabShard,
+    options: LossOptions = DEFAULT_OPTIONS,
+    num_items_in_batch: int | float | Tensor | None = None,
+    class_weight: Tensor | None = None,
+    **overrides: Any,
+):
+    """``fused_loss`` for a weight (and bias) sharded over the vocabulary across ``shard.group``.
+
+    ``weight`` (V_r, H) and ``bias`` (V_r,) are this rank's rows ``[shard.offset, shard.offset +
+    V_r)``; ``hidden`` (..., H), ``labels`` (...) (global class ids) and ``num_items_in_batch``
+    are the same on every rank of the group; ``class_weight`` (V,) covers all classes. Every rank
+    must call it (it runs collectives) and gets the whole loss and the same outputs as
+    ``fused_loss`` on the gathered weight would give; the backward gives each rank its shard's
+    weight and bias gradients and the whole hidden gradient. Options as ``fused_loss``.
+    """
+    opts = build_options(options.key, **constant_changes(overrides))
+    validation.check_num_items(num_items_in_batch, opts.reduction)
+    check_shard_tensors(hidden, weight, labels, bias, class_weight, shard)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    check_logits_dtype(opts.logits_dtype, hidden.dtype)
+    loss, z_loss, argmax, entropy = _VocabParallelLoss.apply(
+        hidden.reshape(labels.numel(), hidden.shape[-1]),
+        weight,
+        bias,
+        labels.reshape(-1),
+        class_weight,
+        *validation.num_items_operands(num_items_in_batch),
+        shard,
+        opts,
+    )
+    return outputs.pack(opts, labels, loss, z_loss, argmax, entropy)

@@ -1,0 +1,293 @@
+"""Token chunks of the distillation loss: per chunk the student's and the teacher's logits
+(``rows x V`` each, the only vocabulary-wide buffers), the row math, then ``grad_h = g W_s`` into
+its rows and ``grad_W_s += g^T h_s``: four GEMMs per kept token in the forward (two logits, two
+gradients), the ``tokens x V`` logits never built.
+
+Chunks walk the kept tokens only (``kept``: their row numbers), so ignored tokens cost no
+GEMM. What a chunk holds depends on the backend (``ChunkMath``): the PyTorch one turns both
+chunks into fp32 log-probabilities (``distillation_rows``; ``ROW_BUFFERS`` fp32 rows of V at its
+peak), the Triton one keeps them in the input dtype and runs one row kernel over both
+(``distillation_triton``). Rows per chunk follow from the working memory budget
+(``budget.working_bytes``) and the backend's bytes per row. The loop itself (``walk_chunks``) also
+runs each pass of the vocabulary-parallel op (``distillation_vocab_parallel``), with its steps.
+
+The GEMMs run in the hidden states' dtype on CUDA and in fp32 on the CPU (``gemm.gemm_dtype_for``,
+as the cross-entropy op's); on the CPU a half-precision weight is read through an fp32 copy.
+grad_W is summed in fp32 when the GEMMs run in fp32, else in the weight's dtype (the first chunk
+overwrites it, as the cross-entropy op's weight-dtype sum does); grad_b in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from liger_patch.ops.core.backends import Backend
+from liger_patch.ops.core.budget import chunk_rows
+from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits, mm_into
+from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight
+from liger_patch.ops.core.head_start import HeadStart
+from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.distillation.options import DistillOptions
+from liger_patch.ops.distillation.rows import ROW_BUFFERS, distill_rows, side_log_probs
+
+_F32 = torch.float32
+
+FinalLogits = Callable[[Tensor, LossOptions, bool], tuple[Tensor, Tensor | None]]
+"""``side_log_probs`` or ``side_logits``: a side's raw logits chunk to its fp32 values (and slope)."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """One side's output projection and its input: hidden (N, H), weight (V, H), bias (V,) or None."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side as the chunk GEMMs read it: hidden (N, H), the weight in the GEMMs' dtype
+    (``w``) and the bias in fp32 (``b``, added in fp32 by the logits GEMM)."""
+
+    hidden: Tensor
+    w: Tensor
+    b: Tensor | None
+
+    @classmethod
+    def of(cls, head: Head) -> Side:
+        w = head.weight.to(gemm_dtype_for(head.hidden))
+        return cls(head.hidden, w, None if head.bias is None else head.bias.float())
+
+
+@dataclass
+class DistillResult:
+    """Per-token losses (N,) fp32, 0 at ignored tokens, and the student's gradients asked for
+    (in their inputs' dtypes), else ``None``."""
+
+    loss: Tensor
+    grad_hidden: Tensor | None = None
+    grad_weight: Tensor | None = None
+    grad_bias: Tensor | None = None
+
+
+class Rows:
+    """The rows a chunk covers: ``[start, stop)`` of every row, or of the kept rows' index."""
+
+    def __init__(self, start: int, stop: int, kept: Tensor | None) -> None:
+        self.start, self.stop = start, stop
+        self.index = None if kept is None else kept[start:stop]
+
+    def take(self, t: Tensor) -> Tensor:
+        return t[self.start : self.stop] if self.index is None else t.index_select(0, self.index)
+
+    def put(self, dst: Tensor, values: Tensor) -> None:
+        if self.index is None:
+            dst[self.start : self.stop] = values
+        else:
+            dst.index_copy_(0, self.index, values.to(dst.dtype))
+
+
+@dataclass(frozen=True)
+class ChunkMath:
+    """What a backend (or a pass of the vocabulary-parallel op) does per chunk.
+
+    ``step(rows, student, teacher, labels, coef, opts) -> (values, g, hs)``: the chunk's per-row
+    values (a backend's: its losses (rows,) fp32), or ``None``; with ``coef``
+    ``coef_i * d loss_i / d x`` (rows, V) for the student's raw logits x (else ``None``); and the
+    student's hidden rows as the GEMMs read them. ``labels`` and ``coef`` (or ``None``) are
+    whole-length: the step takes its rows of them when it needs them.
+    ``row_bytes(vocab, student, teacher, opts, want_grad, gathers)``: the working bytes a chunk
+    takes per row at its peak (``gathers``: its rows are gathered kept rows, not a slice)."""
+
+    step: Callable[..., tuple[Tensor, Tensor | None, Tensor]]
+    row_bytes: Callable[..., int]
+
+
+def torch_row_bytes(
+    vocab: int, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool, gathers: bool
+) -> int:
+    """``ROW_BUFFERS`` fp32 rows of V, the gathered student and teacher hidden states and a grad_h
+    row (fp32 elements at most)."""
+    return _F32.itemsize * (ROW_BUFFERS * vocab + 2 * student.hidden.shape[1] + teacher.hidden.shape[1])
+
+
+def side_chunk(
+    rows: Rows, side: Side, side_opts: LossOptions, final: FinalLogits, want_slope: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One side's hidden rows of the chunk as the GEMMs read them, and ``final`` of their fp32
+    logits, passed on without a reference kept (``side_log_probs``, or a shard's
+    ``side_logits``): the side's (rows, V) fp32 values and, with ``want_slope``, its softcap's
+    slope."""
+    h = rows.take(side.hidden).to(side.w.dtype)
+    values, slope = final(gemm_logits(h, side.w, side.b, _F32), side_opts, want_slope)
+    return h, values, slope
+
+
+def _torch_step(
+    rows: Rows, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The PyTorch chunk: fp32 logits, straight into ``side_log_probs`` (which frees them as it
+    goes), then ``distill_rows``."""
+    want = coef is not None
+    hs, ls, slope = side_chunk(rows, student, opts.student, side_log_probs, want_slope=want)
+    lt = side_chunk(rows, teacher, opts.teacher, side_log_probs)[1]  # the teacher's rows freed
+    loss, g = distill_rows(ls, lt, slope, rows.take(labels), opts, rows.take(coef) if want else None)
+    return loss, g, hs
+
+
+TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
+
+
+def chunk_math(backend: Backend, head: HeadStart | None = None) -> ChunkMath:
+    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton and
+    takes the teacher's ``head`` (``distillation_triton.start_head``) for its first chunk."""
+    if backend.name == "torch":
+        return TORCH_MATH
+    from liger_patch.ops.distillation.triton_chunk import triton_math
+
+    return triton_math(backend, head)
+
+
+class StudentGrads:
+    """The student's gradient buffers and what each chunk adds to them: grad_h in the hidden
+    states' dtype, grad_W summed in fp32 when the GEMMs run in fp32 (else in the weight's dtype,
+    the first chunk overwriting it), grad_b in fp32. With ``in_fp32`` every one is summed in fp32
+    from zeros: a vocabulary shard's, whose grad_h is summed over the group before it is rounded.
+    ``kept``: the rows the chunks walk (``None``: every row); rows skipped get zeros."""
+
+    def __init__(
+        self,
+        student: Head,
+        ws: Tensor,
+        needs: tuple[bool, bool, bool],
+        kept: Tensor | None,
+        *,
+        in_fp32: bool = False,
+    ) -> None:
+        device = student.hidden.device
+        total = student.hidden.shape[0] if kept is None else kept.shape[0]
+        self.overwrites_first = not in_fp32
+        self.grad_hidden = self.grad_sum = self.grad_bias = None
+        if needs[0]:  # skipped rows read as ignored ones: zeros
+            new = torch.empty if kept is None else torch.zeros
+            dtype = _F32 if in_fp32 else student.hidden.dtype
+            self.grad_hidden = new(student.hidden.shape, dtype=dtype, device=device)
+        if needs[1]:  # no chunk to overwrite it: zeros
+            sum_dtype = _F32 if in_fp32 or ws.dtype == _F32 else student.weight.dtype
+            new = torch.empty if total and self.overwrites_first else torch.zeros
+            self.grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
+        if needs[2] and student.bias is not None:
+            self.grad_bias = torch.zeros(student.weight.shape[0], dtype=_F32, device=device)
+
+    def add(self, rows: Rows, g: Tensor, hs: Tensor, ws: Tensor) -> None:
+        """One chunk's share, from its gradient ``g`` with respect to the raw logits."""
+        g_gemm = g.to(ws.dtype)
+        if self.grad_hidden is not None:
+            if rows.index is None:
+                mm_into(self.grad_hidden[rows.start : rows.stop], g_gemm, ws)
+            else:
+                rows.put(self.grad_hidden, g_gemm @ ws)
+        if self.grad_sum is not None:
+            first = self.overwrites_first and rows.start == 0
+            accumulate_grad_weight(self.grad_sum, g_gemm, hs, first=first)
+        if self.grad_bias is not None:
+            self.grad_bias += g.sum(dim=0, dtype=_F32)
+
+    def finish(self, student: Head) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """grad_h, grad_W and grad_b (``None`` where not asked for) in their inputs' dtypes."""
+        sums = (self.grad_hidden, self.grad_sum, self.grad_bias)
+        inputs = (student.hidden, student.weight, student.bias)
+        return tuple(None if g is None else g.to(t.dtype) for g, t in zip(sums, inputs, strict=True))
+
+
+def distill_chunk_rows(
+    math: ChunkMath,
+    total: int,
+    student: Side,
+    teacher: Side,
+    opts: DistillOptions,
+    *,
+    want_grad: bool,
+    gathers: bool,
+    budget: int,
+) -> int:
+    """Token rows per chunk within ``budget`` bytes of working memory (at least one), as the
+    cross-entropy op rounds them (``budget.chunk_rows``)."""
+    row_bytes = math.row_bytes(student.w.shape[0], student, teacher, opts, want_grad, gathers)
+    return chunk_rows(row_bytes, budget, 1, opts.student.tuning, total)
+
+
+@torch.no_grad()
+def walk_chunks(
+    math: ChunkMath,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    opts: DistillOptions,
+    *,
+    kept: Tensor | None,
+    coef: Tensor | None,
+    budget_bytes: int,
+    values: Tensor | None = None,
+    grads: StudentGrads | None = None,
+) -> None:
+    """The one chunk loop: ``math.step`` over the rows (every row, or the kept ones ``kept``
+    lists) in chunks within ``budget_bytes``, each chunk's per-row values put in its rows of
+    ``values`` and its gradient added to ``grads``."""
+    total = labels.shape[0] if kept is None else kept.shape[0]
+    want_grad, gathers = grads is not None, kept is not None
+    step = distill_chunk_rows(
+        math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=budget_bytes
+    )
+    for start in range(0, total, step):
+        rows = Rows(start, min(start + step, total), kept)
+        row_values, g, hs = math.step(rows, student, teacher, labels, coef, opts)
+        if values is not None:
+            rows.put(values, row_values)
+        if g is not None:
+            grads.add(rows, g, hs, student.w)
+        del row_values, g, hs  # before the next chunk's buffers are made
+
+
+@torch.no_grad()
+def run_distill(
+    student: Head,
+    teacher: Head,
+    labels: Tensor,
+    opts: DistillOptions,
+    *,
+    kept: Tensor | None,
+    coef: Tensor | None,
+    needs: tuple[bool, bool, bool],
+    budget_bytes: int,
+    math: ChunkMath = TORCH_MATH,
+) -> DistillResult:
+    """The loss of every token and, with ``coef`` (N,) fp32 (0 at ignored tokens), the gradients
+    of ``coef_i * loss_i`` summed, for the student's hidden, weight and bias as ``needs`` asks.
+
+    ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
+    ``math``: the backend's chunk work (``chunk_math``)."""
+    s, t = Side.of(student), Side.of(teacher)
+    want = coef is not None and any(needs)
+    res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))
+    grads = StudentGrads(student, s.w, needs, kept) if want else None
+    walk_chunks(
+        math,
+        s,
+        t,
+        labels,
+        opts,
+        kept=kept,
+        coef=coef if want else None,
+        budget_bytes=budget_bytes,
+        values=res.loss,
+        grads=grads,
+    )
+    if grads is not None:
+        res.grad_hidden, res.grad_weight, res.grad_bias = grads.finish(student)
+    return res

@@ -1,0 +1,272 @@
+"""The fused distillation loss as registered PyTorch operators, so that ``torch.compile`` captures a
+call as one graph node (``fullgraph=True``, dynamic shapes), following ``operator.py``'s pattern.
+
+* ``liger_patch::fused_distill`` computes the loss and, with reduction "mean"/"sum" (one scalar
+  upstream gradient), the student's gradients at scale 1 while the chunks are hot; the backward
+  only multiplies them by that scalar (``liger_patch::scale_grads_``). Not for fp16 (a
+  GradScaler's factor must come before the rounding to fp16) nor for reduction "none": then
+  ``liger_patch::fused_distill_backward`` recomputes the logits with per-token coefficients.
+* Options travel as ``DistillOptions.key``; ``needs`` says which of the student's hidden,
+  weight and bias want gradients. The teacher's tensors never get one.
+* When the forward computed the gradients, the node keeps nothing else (the teacher's hidden
+  states are released after the forward); a second backward over a retained graph is then
+  refused. The recompute path keeps the teacher's tensors, inference tensors included (held
+  as attributes: autograd cannot save those, and they get no gradient). Under ``torch.compile``
+  AOTAutograd saves them itself and refuses inference tensors there: a compiled call that
+  recomputes (reduction "none", an fp16 student) needs a teacher run under ``torch.no_grad``.
+
+One host sync per forward: the label range check, which also counts the kept tokens (and gives
+"mean"'s divisor when it is that count). While the host waits for it the GPU computes the start
+of the teacher's first logits chunk (``distillation_triton.start_head``, as ``head_start`` does
+for the cross-entropy op).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from liger_patch.ops.core import budget, head_start, validation
+from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.gemm import gemm_dtype_for
+from liger_patch.ops.core.head_start import HeadStart
+from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights
+from liger_patch.ops.cross_entropy import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
+from liger_patch.ops.distillation.chunks import ChunkMath, Head, Side, chunk_math, run_distill
+from liger_patch.ops.distillation.options import DistillOptions, check_logits_dtypes, grads_in_forward
+
+_F32 = torch.float32
+
+
+def _empty(like: Tensor) -> Tensor:
+    return torch.empty(0, dtype=_F32, device=like.device)
+
+
+def _budget(opts: DistillOptions, student_hidden: Tensor, n_rows: int) -> int:
+    return budget.working_bytes(opts.memory_budget, n_rows, student_hidden.nbytes)
+
+
+def _start_head(
+    backend: Backend,
+    student: Head,
+    teacher: Head,
+    opts: DistillOptions,
+    keep: Tensor,
+    want_grad: bool,
+    budget_bytes: int,
+    shape_key: tuple,
+) -> HeadStart | None:
+    """The teacher's first logits chunk begun before the label check is waited for (Triton
+    backend, GEMMs in the inputs' dtypes): over the kept rows where the last call of this shape
+    skipped some (``head_start.expects_skip``), else over every row."""
+    if backend.name == "torch" or any(gemm_dtype_for(h.hidden) != h.hidden.dtype for h in (student, teacher)):
+        return None
+    from liger_patch.ops.distillation.triton_chunk import start_head
+
+    gathered = keep if head_start.expects_skip(shape_key) else None
+    with torch.autocast(student.hidden.device.type, enabled=False):
+        return start_head(
+            backend, Side.of(student), Side.of(teacher), opts,
+            want_grad=want_grad, budget_bytes=budget_bytes, keep=gathered,
+        )  # fmt: skip
+
+
+def _math(opts: DistillOptions, student_hidden: Tensor) -> ChunkMath:
+    """The chunk work of the backend this call runs (``backends.pick``: "auto" is Triton on CUDA
+    or under ``TRITON_INTERPRET=1``, else torch; "triton" elsewhere raises why)."""
+    return chunk_math(pick(opts.backend, student_hidden.device))
+
+
+@torch.library.custom_op("liger_patch::fused_distill", mutates_args=())
+def fused_distill(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    labels: Tensor,
+    num_items: Tensor | None,
+    num_items_value: float | None,
+    options: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Forward: ``(loss, row_weight, grad_hidden, grad_weight, grad_bias)``; hidden states (N, H_s)
+    and (N, H_t), labels (N,). Gradients not computed here are empty."""
+    opts = DistillOptions.from_key(options)
+    check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
+    backend = pick(opts.backend, student_hidden.device)
+    labels = labels.long().contiguous()
+    keep = labels != opts.ignore_index
+    counted = counted_divisor(opts.student, None, num_items, num_items_value)
+    # A divisor that is the kept count is read in the label check's sync: no launches for it.
+    divisor = None if counted else loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
+    vocab = student_weight.shape[0]
+    check = validation.start_value_check(
+        labels, vocab, opts.ignore_index, divisor if num_items is not None else None
+    )
+    student = Head(student_hidden, student_weight, student_bias)
+    teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
+    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
+    budget_bytes = _budget(opts, student_hidden, labels.shape[0])
+    shape_key = ("distill", student_hidden.device, labels.shape[0], vocab)
+    head = _start_head(
+        backend, student, teacher, opts, keep, precompute and any(needs), budget_bytes, shape_key
+    )
+    n_kept = check.result()  # the host waits here, while the head's GEMM runs
+    head_start.remember(shape_key, n_kept < labels.shape[0])
+    if counted:
+        divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value, n_kept=n_kept)
+    kept = None if n_kept == labels.shape[0] else torch.nonzero_static(keep, size=n_kept).view(-1)
+    row_weight = row_weights(keep, opts.reduction, divisor)
+    with torch.autocast(student_hidden.device.type, enabled=False):
+        res = run_distill(
+            student,
+            teacher,
+            labels,
+            opts,
+            kept=kept,
+            coef=row_weight if precompute else None,
+            needs=tuple(needs),
+            budget_bytes=budget_bytes,
+            math=chunk_math(backend, head),
+        )
+    loss = reduce_rows(res.loss, opts.reduction, divisor)
+    grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
+    return (loss, row_weight, *(g if g is not None else _empty(student_hidden) for g in grads))
+
+
+@fused_distill.register_fake
+def _fused_distill_fake(
+    student_hidden,
+    student_weight,
+    student_bias,
+    teacher_hidden,
+    teacher_weight,
+    teacher_bias,
+    labels,
+    num_items,
+    num_items_value,
+    options,
+    needs,
+):
+    opts = DistillOptions.from_key(options)
+    check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
+    n = labels.shape[0]
+    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
+    grads = (
+        t.new_empty(t.shape)
+        if t is not None and precompute and need
+        else student_hidden.new_empty(0, dtype=_F32)
+        for t, need in zip((student_hidden, student_weight, student_bias), needs, strict=True)
+    )
+    loss_shape = (n,) if opts.reduction == "none" else ()
+    return (student_hidden.new_empty(loss_shape, dtype=_F32), student_hidden.new_empty(n, dtype=_F32), *grads)
+
+
+@torch.library.custom_op("liger_patch::fused_distill_backward", mutates_args=())
+def fused_distill_backward(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    labels: Tensor,
+    coef: Tensor,
+    options: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The student's gradients (empty where not needed) of ``sum_i coef_i loss_i``, from
+    recomputed logits; ``coef`` (N,) fp32 is 0 at ignored tokens."""
+    opts = DistillOptions.from_key(options)
+    labels = labels.long().contiguous()
+    kept = torch.nonzero(labels != opts.ignore_index).view(-1)
+    with torch.autocast(student_hidden.device.type, enabled=False):
+        res = run_distill(
+            Head(student_hidden, student_weight, student_bias),
+            Head(teacher_hidden, teacher_weight, teacher_bias),
+            labels,
+            opts,
+            kept=None if kept.shape[0] == labels.shape[0] else kept,
+            coef=coef.float(),
+            needs=tuple(needs),
+            budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
+            math=_math(opts, student_hidden),
+        )
+    grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
+    return tuple(g if g is not None else _empty(student_hidden) for g in grads)
+
+
+@fused_distill_backward.register_fake
+def _fused_distill_backward_fake(
+    student_hidden,
+    student_weight,
+    student_bias,
+    teacher_hidden,
+    teacher_weight,
+    teacher_bias,
+    labels,
+    coef,
+    options,
+    needs,
+):
+    return tuple(
+        t.new_empty(t.shape) if t is not None and need else student_hidden.new_empty(0, dtype=_F32)
+        for t, need in zip((student_hidden, student_weight, student_bias), needs, strict=True)
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    sh, sw, sb, th, tw, tb, labels, _, _, options, needs = inputs
+    _, row_weight, grad_h, grad_w, grad_b = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(row_weight, grad_h, grad_w, grad_b)
+    ctx.options, ctx.needs = options, needs
+    if grads_in_forward(DistillOptions.from_key(options), sh.dtype, needs):
+        # Not saved tensors: the backward scales them in place (a retained graph's version check
+        # would refuse that), and nothing else is kept.
+        ctx.pre = (grad_h, grad_w, grad_b)
+        ctx.save_for_backward()
+        return
+    ctx.pre = None
+    teacher = (th, tw, tb)
+    inference = [t is not None and t.is_inference() for t in teacher]
+    ctx.teacher_inference = tuple(t if inf else None for t, inf in zip(teacher, inference, strict=True))
+    saved_teacher = (None if inf else t for t, inf in zip(teacher, inference, strict=True))
+    ctx.save_for_backward(sh, sw, sb, labels, row_weight, *saved_teacher)
+
+
+def _backward(ctx, grad_loss, *_no_grads):
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "fused_linear_distillation has no second derivative (backward with create_graph=True)"
+        )
+    if ctx.pre is not None:
+        pre, ctx.pre, ctx.spent = ctx.pre, None, True
+        grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
+        scale = grad_loss if grad_loss is not None else torch.zeros((), device=pre[0].device)
+        student_key = DistillOptions.from_key(ctx.options).student.key
+        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), student_key)
+        return (*grads, *_NO_INPUT_GRADS)
+    if not any(ctx.needs):  # only a teacher tensor asked for a gradient: it gets none
+        return (None,) * (3 + len(_NO_INPUT_GRADS))
+    if getattr(ctx, "spent", False):
+        raise RuntimeError(
+            "fused_linear_distillation computed its gradients in the forward and kept nothing else; a "
+            "second backward over a retained graph needs reduction='none' (which recomputes them)"
+        )
+    sh, sw, sb, labels, row_weight, *teacher = ctx.saved_tensors
+    th, tw, tb = (t if t is not None else inf for t, inf in zip(teacher, ctx.teacher_inference, strict=True))
+    coef = torch.zeros_like(row_weight) if grad_loss is None else grad_loss.float() * row_weight
+    grads = torch.ops.liger_patch.fused_distill_backward(
+        sh, sw, sb, th, tw, tb, labels, coef, ctx.options, ctx.needs
+    )
+    return (*(g if need else None for g, need in zip(grads, ctx.needs, strict=True)), *_NO_INPUT_GRADS)
+
+
+# The teacher's hidden, weight and bias, labels, num_items, num_items_value, options, needs.
+_NO_INPUT_GRADS = (None,) * 8
+
+
+fused_distill.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,243 @@
+"""``DistillOptions``: every option of the fused distillation loss, checked once, in one frozen object.
+
+The public functional and the Module build one from keywords (``build_distill_options``); the
+registered operator receives it as one string (``key``) and rebuilds it (``from_key``, cached).
+Each side's final logits at the temperature are described by a ``LossOptions`` (``student``,
+``teacher``), so the cross-entropy op's ``torch_ce.final_logits`` computes them: the temperature
+folds into the logit scale and softcap exactly as for ``fused_linear_logprobs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
+from liger_patch.ops.cross_entropy.logprobs import temperature_options
+from liger_patch.ops.cross_entropy.options import (
+    BACKEND_NAMES,
+    BackendName,
+    LossOptions,
+    Reduction,
+    check_logits_dtype,
+    constant_changes,
+    from_constant,
+    option_float,
+)
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """The options of one ``fused_linear_distillation`` call (docs/distillation.md has the math).
+
+    Checked and normalised on construction (numbers become floats; a bad value raises, naming
+    the option). ``key`` is every option as one string, ``student`` and ``teacher`` the
+    ``LossOptions`` whose ``final_logits`` are that side's final logits divided by the
+    temperature, with this call's backend (whose scaling kernel the backward uses) and memory
+    budget.
+    """
+
+    beta: float = 0.0
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    ignore_index: int = -100
+    reduction: Reduction = "mean"
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
+    student_logit_scale: float | None = None
+    teacher_logit_scale: float | None = None
+    backend: BackendName = "auto"
+    memory_budget: int | str | None = None
+    logits_dtype: torch.dtype | None = None
+    tuning: Tuning = DEFAULT_TUNING
+
+    def __post_init__(self) -> None:
+        for name, value in _checked(self).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "key", _key(self))
+        object.__setattr__(self, "student", self._side(self.student_softcap, self.student_logit_scale))
+        object.__setattr__(self, "teacher", self._side(self.teacher_softcap, self.teacher_logit_scale))
+
+    def _side(self, softcap: float | None, logit_scale: float | None) -> LossOptions:
+        return LossOptions(
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            backend=self.backend,
+            memory_budget=self.memory_budget,
+            logits_dtype=self.logits_dtype,
+            tuning=self.tuning,
+            **temperature_options(self.temperature, logit_scale, softcap),
+        )
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def from_key(key: str) -> DistillOptions:
+        """The options ``key`` was made from (``DistillOptions(...).key``)."""
+        values = json.loads(key)
+        dtype = values.pop("logits_dtype")
+        tuning = Tuning.from_key(values.pop("tuning"))
+        return DistillOptions(
+            **values, tuning=tuning, logits_dtype=None if dtype is None else getattr(torch, dtype)
+        )
+
+    def logits_dtype_for(self, input_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a side's logits chunks are stored in: ``logits_dtype``, else its input's."""
+        return self.logits_dtype or input_dtype
+
+
+def _key(opts: DistillOptions) -> str:
+    """Every option as one JSON string (the dtype by its name, the tuning by its key)."""
+    values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    values["tuning"] = opts.tuning.key
+    if opts.logits_dtype is not None:
+        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
+    return json.dumps(values, sort_keys=True)
+
+
+def check_logits_dtypes(opts: DistillOptions, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> None:
+    """``opts.logits_dtype`` is None, fp32, or the input dtype of each side (the message names
+    the side), as the cross-entropy op checks its own against its input."""
+    for side, dtype in (("student", student_dtype), ("teacher", teacher_dtype)):
+        try:
+            check_logits_dtype(opts.logits_dtype, dtype)
+        except ValueError as exc:
+            raise ValueError(f"{side}: {exc}") from None
+
+
+DISTILL_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DistillOptions))
+
+DISTILL_OPTION_DOCS = {
+    "beta": "in [0, 1]: 0 is KL(teacher || student), 1 is KL(student || teacher), between them the "
+    "generalized Jensen-Shannon divergence with mixture (1 - beta) p_student + beta p_teacher (TRL's)",
+    "temperature": "T > 0 dividing both sides' final logits before the divergence",
+    "ce_weight": "w in [0, 1]: each kept token's loss is (1 - w) divergence + w cross-entropy of the "
+    "student's final logits (no temperature) against the label",
+    "ignore_index": "label value of tokens that do not count",
+    "reduction": '"mean" over kept tokens (or over ``num_items_in_batch``), "sum", or "none" (per-token '
+    "losses in the leading shape, 0 at ignored tokens)",
+    "student_softcap": "c > 0: ``c * tanh(x / c)`` on the student's logits (after its logit scale)",
+    "teacher_softcap": "the same for the teacher's logits",
+    "student_logit_scale": "s != 0 multiplies the student's logits before its softcap",
+    "teacher_logit_scale": "the same for the teacher's logits",
+    "backend": '"auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"',
+    "memory_budget": "working memory beyond inputs, outputs and gradients, as for "
+    '``fused_linear_cross_entropy`` (bytes, a size such as "256MiB", or a named budget)',
+    "logits_dtype": "how the Triton backend stores the logits chunks: None (each side's input dtype, as "
+    "an unpatched half-precision head stores them) or torch.float32 (never rounded to half precision: "
+    "TRL DistillationTrainer's chunked kernel; 4 bytes a logit, so smaller chunks). The torch backend "
+    "keeps fp32 logits whatever this says",
+    "tuning": "a ``Tuning``: measured knobs of how the op runs (never what it computes), as for "
+    "``fused_linear_cross_entropy``",
+}
+"""One line per option, for the docstrings of the entry points."""
+assert set(DISTILL_OPTION_DOCS) == set(DISTILL_OPTION_NAMES), "every option needs its line"
+
+
+def _unit_interval(name: str, value: object) -> float:
+    number = option_float(name, value)
+    if not 0.0 <= number <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} must be in [0, 1], got {number}")
+    return number
+
+
+def _optional_positive(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    number = option_float(name, value)
+    if not (math.isfinite(number) and number > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0 (or None), got {number}")
+    return number
+
+
+def _optional_scale(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    number = option_float(name, value)
+    if not (math.isfinite(number) and number != 0.0):
+        raise ValueError(f"{name} must be a finite non-zero number (or None), got {number}")
+    return number
+
+
+def _checked(opts: DistillOptions) -> dict[str, Any]:
+    """The normalised value of every option; raises for a bad one, naming it. ``ignore_index``,
+    ``reduction``, ``memory_budget``, ``logits_dtype`` and ``tuning`` are checked as the
+    cross-entropy op checks them (a dtype against the inputs' at the call: ``check_logits_dtypes``)."""
+    LossOptions(
+        ignore_index=opts.ignore_index,
+        reduction=opts.reduction,
+        memory_budget=opts.memory_budget,
+        logits_dtype=opts.logits_dtype,
+        tuning=opts.tuning,
+    )
+    if opts.backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
+    temperature = option_float("temperature", opts.temperature)
+    if not (math.isfinite(temperature) and temperature > 0.0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return dict(
+        beta=_unit_interval("beta", opts.beta),
+        ce_weight=_unit_interval("ce_weight", opts.ce_weight),
+        temperature=temperature,
+        student_softcap=_optional_positive("student_softcap", opts.student_softcap),
+        teacher_softcap=_optional_positive("teacher_softcap", opts.teacher_softcap),
+        student_logit_scale=_optional_scale("student_logit_scale", opts.student_logit_scale),
+        teacher_logit_scale=_optional_scale("teacher_logit_scale", opts.teacher_logit_scale),
+    )
+
+
+def as_constants(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as values ``torch.compile`` passes to ``build_distill_options`` as constants on
+    every torch version: the cross-entropy op's encoding (``options.constant_changes``: a float as
+    its exact hex string, a ``Tuning`` as its key, which torch 2.11's dynamo needs)."""
+    return constant_changes(options)
+
+
+def build_distill_options(where: str = "fused_linear_distillation", **options: Any) -> DistillOptions:
+    """``DistillOptions(**options)`` (floats possibly given by ``as_constants``), an unknown name
+    refused with the list of options, naming ``where``; cached, so a call repeated with the same
+    options builds nothing, and a constant of the graph under ``torch.compile``."""
+    unknown = sorted(set(options) - set(DISTILL_OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown option(s) {unknown}; the options are {list(DISTILL_OPTION_NAMES)}"
+        )
+    try:
+        return _build_cached(tuple(sorted(options.items())))
+    except TypeError as exc:  # an unhashable value: built uncached (and refused there if it is wrong)
+        if "unhashable" not in str(exc):
+            raise
+        return _build(options)
+
+
+def grads_in_forward(opts: DistillOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
+    """Whether a forward computes the student's gradients while its chunks are hot, leaving the
+    backward to multiply them by the one scalar upstream gradient: with reduction "mean" or
+    "sum", unless the student is fp16 (a GradScaler's factor must come before the rounding to
+    fp16) or nothing wants a gradient."""
+    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
+
+
+@functools.lru_cache(maxsize=256)
+def _build_cached(items: tuple) -> DistillOptions:
+    return _build(dict(items))
+
+
+def _build(options: dict[str, Any]) -> DistillOptions:
+    return DistillOptions(**{name: from_constant(name, value) for name, value in options.items()})
+
+
+def options_from_key(key: str) -> DistillOptions:
+    """``DistillOptions.from_key``, a constant under ``torch.compile`` (for the Module's options)."""
+    return DistillOptions.from_key(key)
+
+
+# As ``options.build_options``: what ``torch.compiler.assume_constant_result`` sets, without
+# importing torch._dynamo.
+build_distill_options._dynamo_marked_constant = True
+options_from_key._dynamo_marked_constant = True
