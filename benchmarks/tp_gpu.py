@@ -49,7 +49,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import liger_patch as lp
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.ops.core.vocab_shard import VocabShard
+from liger_patch.ops.cross_entropy.vocab_parallel import vocab_parallel_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402

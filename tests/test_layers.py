@@ -1,4 +1,7 @@
-"""Imports only point down: ops (and env.py) <- patching <- integrations <- CLI.
+"""Imports only point down: ops (and env.py) <- patching <- integrations <- CLI; inside ops, the
+shared machinery (``ops/core/``) <- each loss (``ops/cross_entropy/``, ``ops/distillation/``, which
+never import each other) <- ``ops``' own modules (its ``__init__``, the fp64 reference, the
+aliases of old paths); and no import cycle anywhere.
 
 Every module of ``liger_patch/`` is parsed with ``ast`` and every import in it (at any depth:
 inside functions, under ``if TYPE_CHECKING``, relative ``from . import x`` forms too) is resolved
@@ -9,11 +12,15 @@ as the integrations layer, the highest it re-exports from.
 
 The CLI layer is ``liger_patch/verify/`` (the verification sweep and its tiny-model factory) and
 the top-level command modules (``__main__``, ``doctor``, ``demo``, ``peak_memory``).
+
+Each check is shown able to fail: a copy of the package with one violating import planted in it
+(or a graph built by hand) is checked, and the violation is named.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,6 +111,101 @@ def upward_imports(package_dir: Path = PACKAGE_DIR) -> list[str]:
     return found
 
 
+# ---------------------------------------------------------------------------------------------
+# Inside ops: the shared package below the two losses, the losses apart, ops' own modules on top.
+
+OPS_ROOT = "liger_patch.ops"
+OPS_PACKAGES = {
+    "liger_patch.ops.core": 0,  # what every loss shares
+    "liger_patch.ops.cross_entropy": 1,
+    "liger_patch.ops.distillation": 1,
+}
+OPS_TOP = 2  # ops' own modules: its __init__, reference.py, the aliases of old paths
+
+
+def ops_package(name: str) -> tuple[str, int]:
+    """The ops package a module of ops belongs to and its rank (``(OPS_ROOT, OPS_TOP)`` for ops'
+    own modules)."""
+    for package, rank in OPS_PACKAGES.items():
+        if _within(name, package):
+            return package, rank
+    if _within(name, OPS_ROOT):
+        return OPS_ROOT, OPS_TOP
+    raise AssertionError(f"{name} is not in ops")
+
+
+def ops_crossings(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """Every import inside ops that points up a package or across to a sibling (the two losses
+    never import each other), as ``path:line: a (package) imports b (package)``."""
+    found = []
+    for path in sorted((package_dir / "ops").rglob("*.py")):
+        name = module_name(path, package_dir)
+        mine, my_rank = ops_package(name)
+        source = path.read_text(encoding="utf-8")
+        for line, target in imported_modules(source, name, path.name == "__init__.py", package_dir):
+            if not _within(target, OPS_ROOT):
+                continue
+            theirs, their_rank = ops_package(target)
+            if their_rank > my_rank or (their_rank == my_rank and theirs != mine):
+                where = f"{path.relative_to(package_dir.parent)}:{line}"
+                found.append(f"{where}: {name} ({mine}) imports {target} ({theirs})")
+    return found
+
+
+def import_graph(package_dir: Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    """Every module of the package and the package's modules it imports, at any depth."""
+    graph = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        name = module_name(path, package_dir)
+        source = path.read_text(encoding="utf-8")
+        imported = imported_modules(source, name, path.name == "__init__.py", package_dir)
+        graph[name] = {target for _, target in imported if target != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one module
+    (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next((t for t in targets if t in graph), None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
 def test_no_module_imports_a_higher_layer():
     found = upward_imports()
     assert not found, "imports must point down (ops <- patching <- integrations <- CLI):\n" + "\n".join(found)
@@ -174,3 +276,106 @@ def test_a_downward_import_is_not_flagged(tmp_path):
     extra = "from ..patching import apply\nfrom liger_patch import env\nimport liger_patch.ops.budget\n"
     mutated.write_text(mutated.read_text(encoding="utf-8") + "\n" + extra, encoding="utf-8")
     assert not [line for line in upward_imports(copy) if "integrations/trainer.py" in line]
+
+
+def test_ops_packages_import_only_below_and_the_losses_apart():
+    found = ops_crossings()
+    assert not found, (
+        "inside ops, imports must point down (core <- cross_entropy, distillation <- ops' own modules) "
+        "and the two losses never import each other:\n" + "\n".join(found)
+    )
+
+
+def test_every_ops_module_is_in_one_ops_package():
+    """Every module of ops is in core, a loss's package or ops itself; and ops itself holds at
+    most 16 modules (the issue-42 target)."""
+    top = []
+    for path in (PACKAGE_DIR / "ops").rglob("*.py"):
+        package, _ = ops_package(module_name(path))
+        if package == OPS_ROOT:
+            top.append(path.name)
+    assert len(top) <= 16, sorted(top)
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles (at any depth, function-level imports included):\n" + "\n".join(
+        " -> ".join(cycle) for cycle in found
+    )
+
+
+def _copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "liger_patch"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def _plant(copy: Path, module: str, source: str) -> None:
+    path = copy / module
+    path.write_text(path.read_text(encoding="utf-8") + "\n" + source, encoding="utf-8")
+
+
+CROSSINGS = {
+    "a loss imports the other": (
+        "cross_entropy/rows.py",
+        "from liger_patch.ops.distillation import rows as distill_rows\n",
+        "liger_patch.ops.distillation.rows (liger_patch.ops.distillation)",
+    ),
+    "the other way, relative, in a function": (
+        "distillation/chunks.py",
+        "def f():\n    from ..cross_entropy import options\n",
+        "liger_patch.ops.cross_entropy.options (liger_patch.ops.cross_entropy)",
+    ),
+    "core imports a loss": (
+        "core/gemm.py",
+        "from liger_patch.ops.cross_entropy.options import LossOptions\n",
+        "liger_patch.ops.cross_entropy.options (liger_patch.ops.cross_entropy)",
+    ),
+    "core imports ops itself": (
+        "core/triton/common.py",
+        "from ... import reference\n",
+        "liger_patch.ops.reference (liger_patch.ops)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CROSSINGS))
+def test_a_planted_crossing_inside_ops_is_found(tmp_path, case):
+    """Mutation: one import planted in a copy of the package, and the check names it, only it."""
+    module, source, target = CROSSINGS[case]
+    copy = _copy(tmp_path)
+    _plant(copy, f"ops/{module}", source)
+    found = ops_crossings(copy)
+    assert len(found) == 1 and found[0].startswith(f"liger_patch/ops/{module}:"), found
+    assert found[0].endswith(f"imports {target}"), found
+
+
+def test_the_losses_importing_core_are_not_flagged(tmp_path):
+    copy = _copy(tmp_path)
+    _plant(
+        copy, "ops/distillation/rows.py", "from liger_patch.ops.core import budget\nfrom . import chunks\n"
+    )
+    _plant(copy, "ops/reference.py", "from liger_patch.ops.cross_entropy import options\n")
+    assert not ops_crossings(copy)
+
+
+def test_a_planted_cycle_is_found(tmp_path):
+    """Two modules that import each other (one of them inside a function, as the cycle this test
+    was written for did), planted in a copy of the package."""
+    copy = _copy(tmp_path)
+    _plant(copy, "ops/core/gemm.py", "def f():\n    from liger_patch.ops.core import head_start\n")
+    assert cycles(import_graph(copy)) == [["liger_patch.ops.core.gemm", "liger_patch.ops.core.head_start"]]
+
+
+def test_cycles_of_a_graph_built_by_hand():
+    graph = {
+        "a": {"b"},
+        "b": {"c", "outside"},  # an import of a module not in the graph is not an edge
+        "c": {"a", "d"},
+        "d": {"e"},
+        "e": {"d"},
+        "f": {"a"},
+        "g": set(),
+    }
+    assert sorted(cycles(graph)) == [["a", "b", "c"], ["d", "e"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -41,8 +41,8 @@ from common import (  # noqa: E402
 )
 
 from liger_patch import fused_linear_cross_entropy  # noqa: E402
-from liger_patch.ops.core.backends import pick  # noqa: E402
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.backends import row_backend  # noqa: E402
 from liger_patch.ops.cross_entropy.chunks import run_chunks  # noqa: E402
 from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
 
@@ -66,7 +66,7 @@ def vocab_pass_prototype(hidden, weight, labels, budget_mib: int):
     n, _ = hidden.shape
     v = weight.shape[0]
     opts = LossOptions(tuning=Tuning(two_pass=False))  # token chunks even below 512 rows
-    backend = pick("triton", hidden.device)
+    backend = row_backend("triton", hidden.device)
     ce_rows_triton = backend.row_kernel
     coef = torch.full((n,), 1.0 / n, device="cuda")
     res = run_chunks(

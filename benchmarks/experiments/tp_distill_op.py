@@ -28,7 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from distill import POINTS, floor_fn, make_distill_inputs  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard  # noqa: E402
+from liger_patch.ops.core.vocab_shard import VocabShard  # noqa: E402
 from liger_patch.ops.distillation.vocab_parallel import vocab_parallel_distillation  # noqa: E402
 
 

@@ -32,9 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from liger_patch.ops.core.final_logits import temperature_options
 from liger_patch.ops.core.tuning import DEFAULT_TUNING
-from liger_patch.ops.cross_entropy.logprobs import fused_linear_logprobs, temperature_options
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.ops.core.vocab_shard import VocabShard
+from liger_patch.ops.cross_entropy.logprobs import fused_linear_logprobs
+from liger_patch.ops.cross_entropy.vocab_parallel import vocab_parallel_loss
 from liger_patch.ops.distillation.functional import fused_linear_distillation
 from liger_patch.ops.distillation.vocab_parallel import vocab_parallel_distillation
 from liger_patch.patching.sharded_head import (

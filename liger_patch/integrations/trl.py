@@ -48,17 +48,17 @@ import torch
 import torch.nn as nn
 
 from liger_patch.integrations.gathered_backward import GatheredBackward
-from liger_patch.ops.cross_entropy.functional import autocast_inputs, fused_loss
-from liger_patch.ops.cross_entropy.logprobs import temperature_options
+from liger_patch.ops.core.final_logits import final_logits, temperature_options
+from liger_patch.ops.core.options import constant_changes
+from liger_patch.ops.core.validation import autocast_inputs
+from liger_patch.ops.cross_entropy.functional import fused_loss
 from liger_patch.ops.cross_entropy.options import (
     LOSS_OPTIONS,
     LossOptions,
     OptionKind,
     build_options,
-    constant_changes,
     option_defaults,
 )
-from liger_patch.ops.cross_entropy.rows import final_logits
 from liger_patch.patching.apply import after_apply
 from liger_patch.patching.head import adapter_term
 from liger_patch.patching.sharded_head import is_zero3_partitioned

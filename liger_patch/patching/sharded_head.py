@@ -47,9 +47,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from liger_patch.ops.core.vocab_shard import VocabShard
 from liger_patch.ops.cross_entropy.functional import fused_loss
 from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.ops.cross_entropy.vocab_parallel import vocab_parallel_loss
 from liger_patch.patching.adapters import is_lora_head, low_rank_term
 
 __all__ = [

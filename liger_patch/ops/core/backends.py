@@ -1,9 +1,8 @@
 """Backends as records: what each provides, whether it can run here, and which one a call gets.
 
-A backend is the per-chunk work between the GEMMs, which ``chunked.run_chunks`` calls:
+What every loss takes from a backend (each loss adds its own row math: the cross-entropy's
+``cross_entropy/backends.py``, the distillation's chunk math in ``distillation/operator.py``):
 
-* ``row_kernel``: loss terms and d(loss)/d(logits) of one logits chunk (``torch_ce.ce_rows_torch``'s
-  contract);
 * ``scale_``: multiplies the gradients the forward precomputed by the upstream gradient, in place;
 * ``fused_logits``: a logits GEMM that also leaves log-sum-exp partials for the row kernel, or
   ``None`` (then cuBLAS computes every chunk's logits);
@@ -21,9 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from liger_patch import env
-from liger_patch.ops.cross_entropy.rows import ce_rows_torch
-
-RowKernel = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 
 _SCALE_SLICE = 1 << 22
 """Elements scaled per step by ``scale_in_fp32_`` (a 16 MiB fp32 temporary)."""
@@ -65,7 +61,6 @@ class Backend:
     """One backend: its name (as ``backend=`` names it) and what it provides."""
 
     name: str
-    row_kernel: RowKernel
     scale_: Callable[[list[torch.Tensor], torch.Tensor], None]
     fused_logits: FusedLogits | None
     unavailable: Callable[[torch.device], Exception | None]
@@ -73,7 +68,6 @@ class Backend:
 
 TORCH = Backend(
     name="torch",
-    row_kernel=ce_rows_torch,
     scale_=scale_in_fp32_,
     fused_logits=None,
     unavailable=lambda device: None,
@@ -103,11 +97,9 @@ def _triton_unavailable(device: torch.device) -> Exception | None:
 def _triton() -> Backend:
     """The Triton record (imports Triton and compiles nothing yet)."""
     from liger_patch.ops.core.triton import logits, scale
-    from liger_patch.ops.cross_entropy.triton import rows
 
     return Backend(
         name="triton",
-        row_kernel=rows.ce_rows_triton,
         scale_=scale.scale_,
         fused_logits=FusedLogits(
             logits.supported, logits.partial_bytes_per_row, logits.logits_with_partials, logits.new_partials

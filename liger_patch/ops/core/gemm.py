@@ -15,7 +15,7 @@ import functools
 import torch
 
 from liger_patch.ops.core.backends import Backend
-from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.core.final_logits import LogitsOptions
 
 
 def gemm_dtype_for(t: torch.Tensor) -> torch.dtype:
@@ -82,7 +82,7 @@ def chunk_logits(
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    opts: LossOptions,
+    opts: LogitsOptions,
     dtype: torch.dtype,
     out: torch.Tensor | None,
     backend: Backend | None,

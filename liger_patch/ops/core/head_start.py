@@ -23,8 +23,8 @@ import torch
 
 from liger_patch import env
 from liger_patch.ops.core.backends import Backend
+from liger_patch.ops.core.final_logits import LogitsOptions
 from liger_patch.ops.core.gemm import chunk_logits
-from liger_patch.ops.cross_entropy.options import LossOptions
 
 _ROW_ALIGN = 128  # the fused GEMM's row tile on CUDA: each launch covers whole tiles
 _INTERPRET_ROW_ALIGN = 16  # its row tile under the interpreter
@@ -80,7 +80,7 @@ def start(
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    opts: LossOptions,
+    opts: LogitsOptions,
     logits_dtype: torch.dtype,
     fused: Backend,
     first: int,
@@ -109,7 +109,7 @@ def finish(
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    opts: LossOptions,
+    opts: LogitsOptions,
     logits_dtype: torch.dtype,
     fused: Backend,
 ) -> tuple[torch.Tensor, tuple]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import validation
-from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.core.tuning import Tuning
 
 
 class CheckedLabels(NamedTuple):
@@ -24,24 +24,22 @@ def _capturing(labels: Tensor) -> bool:
 
 
 def start_label_check(
-    labels: Tensor, vocab: int, opts: LossOptions, divisor: Tensor | float | None, num_items: Tensor | None
+    labels: Tensor, vocab: int, ignore_index: int, user_divisor: Tensor | None
 ) -> validation.ValueCheck | None:
     """``checked_labels``' device work, enqueued without waiting for its values
     (``validation.start_value_check``); ``None`` while a CUDA graph is captured (no sync there).
     Work the caller enqueues before passing it to ``checked_labels`` runs while the host waits."""
     if _capturing(labels):
         return None
-    return validation.start_value_check(
-        labels, vocab, opts.ignore_index, divisor if num_items is not None else None
-    )
+    return validation.start_value_check(labels, vocab, ignore_index, user_divisor)
 
 
 def checked_labels(
     labels: Tensor,
     vocab: int,
-    opts: LossOptions,
-    divisor: Tensor | float | None,
-    num_items: Tensor | None,
+    ignore_index: int,
+    user_divisor: Tensor | None,
+    tuning: Tuning,
     started: validation.ValueCheck | None = None,
 ) -> CheckedLabels:
     """The label range (and ``num_items_in_batch`` tensor) check: raises as ``validation.check_values``
@@ -52,21 +50,20 @@ def checked_labels(
     While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned into
     ``ignore_index`` (kernels never index with them), every row is computed, and the second result
     is a 0-d factor, NaN when anything was bad and 1 otherwise, that the caller multiplies every
-    result by. ``divisor`` is the ``num_items_in_batch`` tensor's divisor to check, or ``None``.
+    result by. ``user_divisor`` is the ``num_items_in_batch`` tensor's divisor to check, or ``None``.
     ``started``: this check as ``start_label_check`` began it."""
-    user_divisor = divisor if num_items is not None else None
     if not _capturing(labels):
         if started is None:
-            started = validation.start_value_check(labels, vocab, opts.ignore_index, user_divisor)
+            started = validation.start_value_check(labels, vocab, ignore_index, user_divisor)
         n_kept = started.result()
-        if not opts.tuning.skips_ignored(labels.shape[0], n_kept):
+        if not tuning.skips_ignored(labels.shape[0], n_kept):
             return CheckedLabels(labels, None, None, n_kept)
-        kept = torch.nonzero_static(labels != opts.ignore_index, size=n_kept).view(-1)
+        kept = torch.nonzero_static(labels != ignore_index, size=n_kept).view(-1)
         return CheckedLabels(labels, None, kept, n_kept)
-    bad_rows = (labels != opts.ignore_index) & ((labels < 0) | (labels >= vocab))
+    bad_rows = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     bad = bad_rows.any()
     if user_divisor is not None:
         bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
-    sanitized = torch.where(bad_rows, opts.ignore_index, labels)
+    sanitized = torch.where(bad_rows, ignore_index, labels)
     return CheckedLabels(sanitized, torch.where(bad, nan, one), None, None)

@@ -158,6 +158,23 @@ def check_dtypes_match(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.T
         )
 
 
+def autocast_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, cast_weight: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inside torch.autocast, cast like nn.Linear would; outside it, dtypes must already match.
+
+    Without ``cast_weight`` the weight keeps its dtype: the fused op rounds it to the hidden
+    states' dtype itself, inside grad_W's bytes, instead of holding a cast copy of the whole
+    weight (1 GiB for a 150k x 3584 head) from the forward to the backward."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        w = weight.to(dtype) if cast_weight else weight
+        return hidden.to(dtype), w, None if bias is None else bias.to(dtype)
+    check_dtypes_match(hidden, weight, bias)
+    return hidden, weight, bias
+
+
 class ValueCheck(NamedTuple):
     """A label check started on the device (``start_value_check``) whose values come back to
     the host later, in ``result``: work enqueued in between runs while the host waits."""

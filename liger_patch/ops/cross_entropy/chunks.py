@@ -34,10 +34,11 @@ from liger_patch.ops.core.grad_weight_layout import (
     weight_operand,
     widen_in_place,
 )
-from liger_patch.ops.core.walked_rows import Chunk, RowRecords, walked
+from liger_patch.ops.core.walked_rows import Chunk, walked
+from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.low_rank import LowRank
 from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs, RowRecords
 
 
 @dataclass
@@ -52,7 +53,7 @@ class ChunkResult:
 
 
 def _plan(
-    backend: Backend,
+    backend: RowBackend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     opts: LossOptions,
@@ -96,7 +97,7 @@ def _plan(
 
 @torch.no_grad()
 def start_head(
-    backend: Backend,
+    backend: RowBackend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -139,7 +140,7 @@ class _PassState:
     d(loss)/d(logits) and grad_h follows). ``labels``, ``coef_ce``, ``coef_z`` and ``lse_in`` have
     one row per walked row (``rows.index``'s rows, gathered once, when the pass skips rows)."""
 
-    backend: Backend
+    backend: RowBackend
     fused: Backend | None
     plan: ChunkPlan
     opts: LossOptions
@@ -187,7 +188,7 @@ def _new_result(
 
 @torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
 def run_chunks(
-    backend: Backend,
+    backend: RowBackend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core.reduction import z_loss_rows
+from liger_patch.ops.core.final_logits import final_logits
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import ClassWeight
-from liger_patch.ops.cross_entropy.rows import ce_rows_torch, final_logits, row_entropy
+from liger_patch.ops.cross_entropy.rows import ce_rows_torch, row_entropy, z_loss_rows
 
 
 def differentiable_grads(

@@ -16,32 +16,16 @@ from typing import Any
 import torch
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.cross_entropy import operator, outputs  # noqa: F401  (operator: registers the ops)
 from liger_patch.ops.cross_entropy.low_rank import check_low_rank
 from liger_patch.ops.cross_entropy.options import (
     DEFAULT_OPTIONS,
     LossOptions,
     build_options,
-    check_logits_dtype,
-    constant_changes,
     options_docstring,
     options_parameters,
 )
-
-
-def autocast_inputs(hidden, weight, bias, *, cast_weight: bool = True):
-    """Inside torch.autocast, cast like nn.Linear would; outside it, dtypes must already match.
-
-    Without ``cast_weight`` the weight keeps its dtype: the fused op rounds it to the hidden
-    states' dtype itself, inside grad_W's bytes, instead of holding a cast copy of the whole
-    weight (1 GiB for a 150k x 3584 head) from the forward to the backward."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        w = weight.to(dtype) if cast_weight else weight
-        return hidden.to(dtype), w, None if bias is None else bias.to(dtype)
-    validation.check_dtypes_match(hidden, weight, bias)
-    return hidden, weight, bias
 
 
 def _fused(
@@ -58,7 +42,7 @@ def _fused(
     validation.check_num_items(num_items_in_batch, opts.reduction)
     validation.check_tensors(hidden, weight, labels, bias)
     validation.check_class_weight(class_weight, weight)
-    hidden, weight, bias = autocast_inputs(hidden, weight, bias, cast_weight=False)
+    hidden, weight, bias = validation.autocast_inputs(hidden, weight, bias, cast_weight=False)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
     h2d = hidden.reshape(labels.numel(), hidden.shape[-1])  # not (-1, H): H may be 0
     flat_labels = labels.reshape(-1)

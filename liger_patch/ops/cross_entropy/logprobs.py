@@ -9,19 +9,18 @@ so the temperature folds exactly into the op's ``logit_scale`` and ``softcap`` o
 from __future__ import annotations
 
 import inspect
-import math
 from collections import namedtuple
 from typing import Any
 
 import torch
 
+from liger_patch.ops.core.final_logits import temperature_options
+from liger_patch.ops.core.options import constant_changes
 from liger_patch.ops.cross_entropy.functional import _fused
 from liger_patch.ops.cross_entropy.options import (
     DEFAULT_OPTIONS,
     OptionKind,
     build_options,
-    constant_changes,
-    option_float,
     options_of_kind,
     options_parameters,
 )
@@ -31,21 +30,6 @@ RUNTIME_OPTIONS = options_of_kind(OptionKind.RUNTIME)
 
 LogProbs = namedtuple("LogProbs", ("logprobs", "entropy"))
 """``fused_linear_logprobs(..., return_entropy=True)``'s result: both per token."""
-
-
-def temperature_options(temperature: float, logit_scale: float | None, softcap: float | None) -> dict:
-    """``logit_scale`` and ``softcap`` with the temperature folded in: c tanh(s x / c) / T is
-    (c/T) tanh((s/T) x / (c/T))."""
-    t = option_float("temperature", temperature)
-    if not (math.isfinite(t) and t > 0.0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if t == 1.0:
-        return {"logit_scale": logit_scale, "softcap": softcap}
-    scale = 1.0 if logit_scale is None else option_float("logit_scale", logit_scale)
-    return {
-        "logit_scale": scale / t,
-        "softcap": None if softcap is None else option_float("softcap", softcap) / t,
-    }
 
 
 def fused_linear_logprobs(

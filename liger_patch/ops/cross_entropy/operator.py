@@ -28,19 +28,20 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start
-from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import checked_labels, start_label_check
 from liger_patch.ops.core.reduction import (
     counted_divisor,
     loss_divisor,
     reduce_rows,
     row_weights,
-    z_loss_rows,
 )
+from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunks import ChunkResult, run_chunks, start_head
 from liger_patch.ops.cross_entropy.double_backward import differentiable_grads
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.cross_entropy.rows import z_loss_rows
 
 _F32 = torch.float32
 
@@ -48,11 +49,6 @@ _F32 = torch.float32
 def _low_rank_needs(needs: list[bool]) -> tuple[bool, bool]:
     """Whether u and B want gradients: ``needs``' entries 4 and 5 (absent: no)."""
     return (len(needs) > 3 and needs[3], len(needs) > 4 and needs[4])
-
-
-def _precompute(opts: LossOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
-    """Whether the forward computes the gradients (see the module doc)."""
-    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
 
 
 def _wants_argmax(opts: LossOptions) -> bool:
@@ -119,27 +115,35 @@ def flce(
     labels = labels.long().contiguous()  # kernels index labels by row
     cw = class_weight_record(class_weight)
     keep = labels != opts.ignore_index
-    counted = counted_divisor(opts, cw, num_items, num_items_value)
+    cw_weights = None if cw is None else cw.weight
+    counted = counted_divisor(opts.reduction, cw_weights, num_items, num_items_value)
     # A divisor that is the kept count is read in the label check's sync: no launches for it.
-    divisor = None if counted else loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
-    backend = pick(opts.backend, hidden.device)
-    precompute = _precompute(opts, hidden.dtype, needs)
+    divisor = (
+        None
+        if counted
+        else loss_divisor(opts.reduction, keep, labels, cw_weights, num_items, num_items_value)
+    )
+    backend = row_backend(opts.backend, hidden.device)
+    precompute = grads_in_forward(opts.reduction, hidden.dtype, needs)
     vocab = weight.shape[0]
-    started = start_label_check(labels, vocab, opts, divisor, num_items)
+    user_divisor = divisor if num_items is not None else None
+    started = start_label_check(labels, vocab, opts.ignore_index, user_divisor)
     head, shape_key, budget_bytes = None, (hidden.device, labels.shape[0], vocab), None
     if started is not None:  # queued now, computed while the host waits for the check below
         budget_bytes = _budget_bytes(opts, hidden, weight, labels, None)  # walking every row
         head = _start_head(
             opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u, budget_bytes
         )
-    labels, poison, kept_rows, n_kept = checked_labels(labels, vocab, opts, divisor, num_items, started)
+    labels, poison, kept_rows, n_kept = checked_labels(
+        labels, vocab, opts.ignore_index, user_divisor, opts.tuning, started
+    )
     head_start.remember(shape_key, kept_rows is not None)
     if budget_bytes is None or kept_rows is not None:
         budget_bytes = _budget_bytes(opts, hidden, weight, labels, kept_rows)
     if poison is not None:  # a captured graph: bad labels became ignored ones
         keep = labels != opts.ignore_index
     if counted:
-        divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value, n_kept)
+        divisor = loss_divisor(opts.reduction, keep, labels, cw_weights, num_items, num_items_value, n_kept)
     row_weight = row_weights(keep, opts.reduction, divisor)
     if poison is not None:
         row_weight = row_weight * poison
@@ -217,7 +221,7 @@ def _flce_fake(
     def rows(wanted: bool, dtype: torch.dtype = _F32) -> Tensor:
         return hidden.new_empty((n,) if wanted else (0,), dtype=dtype)
 
-    precompute = _precompute(opts, hidden.dtype, needs)
+    precompute = grads_in_forward(opts.reduction, hidden.dtype, needs)
 
     def grad_like(t: Tensor | None, need: bool) -> Tensor:
         return (
@@ -264,7 +268,7 @@ def flce_backward(
     opts = LossOptions.from_key(options)
     entropy_grad = None if entropy_coef is None else EntropyGrad(entropy_coef.float(), entropy)
     res = recompute_grads(
-        pick(opts.backend, hidden.device),
+        row_backend(opts.backend, hidden.device),
         (hidden, weight, bias),
         labels.long().contiguous(),
         class_weight,
@@ -281,7 +285,7 @@ def flce_backward(
 
 
 def recompute_grads(
-    backend: Backend,
+    backend: RowBackend,
     inputs: tuple[Tensor, Tensor, Tensor | None],
     labels: Tensor,
     class_weight: Tensor | None,
@@ -347,19 +351,6 @@ def _flce_backward_fake(
     )
 
 
-@torch.library.custom_op("liger_patch::scale_grads_", mutates_args=("grads",))
-def scale_grads_(grads: list[Tensor], scale: Tensor, options: str) -> None:
-    """Multiplies the gradients the forward computed by the upstream gradient, in place (the
-    backend's ``scale_``: fp32 product rounded once; Triton skips the work when it is 1)."""
-    if grads:
-        pick(LossOptions.from_key(options).backend, grads[0].device).scale_(grads, scale)
-
-
-@scale_grads_.register_fake
-def _scale_grads_fake(grads, scale, options) -> None:
-    return None
-
-
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias, labels, class_weight, _, _, options, needs, *term = inputs
     _, _, argmax, entropy, lse, row_weight, token_scale, *pre = output
@@ -374,7 +365,7 @@ def _setup_context(ctx, inputs, output) -> None:
     )
     # Not saved tensors: the backward scales them in place, which a retained graph's version check
     # would then refuse; a second backward recomputes instead (``precomputed`` is cleared).
-    ctx.precomputed = _precompute(opts, hidden.dtype, needs)
+    ctx.precomputed = grads_in_forward(opts.reduction, hidden.dtype, needs)
     ctx.pre = tuple(pre) if ctx.precomputed else None
     ctx.options, ctx.needs = options, [*needs[:3], *_low_rank_needs(needs)]
     ctx.head_shapes = _shapes(weight, bias)
@@ -417,7 +408,7 @@ def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
     if precomputed and not z_grad_matters and grad_entropy is None:
         grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
         scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
-        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), ctx.options)
+        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), opts.backend)
         return _input_grads(grads)
 
     _check_head_whole(ctx, weight, bias)

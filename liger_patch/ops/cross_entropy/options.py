@@ -20,18 +20,21 @@ import inspect
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from liger_patch.ops.core.budget import parse_memory_budget
+from liger_patch.ops.core.options import (
+    BackendName,
+    Reduction,
+    check_shared,
+    from_constant,
+    option_float,
+    optional_nonzero,
+    optional_positive,
+    unit_interval,
+)
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
-from liger_patch.ops.core.validation import FLOAT_DTYPES
-
-Reduction = Literal["mean", "sum", "none"]
-BackendName = Literal["auto", "triton", "torch"]
-REDUCTIONS = ("mean", "sum", "none")
-BACKEND_NAMES = ("auto", "triton", "torch")
 
 
 class OptionKind(enum.Enum):
@@ -45,17 +48,6 @@ class OptionKind(enum.Enum):
 def _option(default: Any, kind: OptionKind) -> Any:
     """A ``LossOptions`` field: its default and its kind."""
     return dataclasses.field(default=default, metadata={"kind": kind})
-
-
-def option_float(name: str, value: object) -> float:
-    """``float(value)`` for a numeric option; a string or a non-number is refused, naming ``name``
-    (``float("0.1")`` would quietly accept text, ``float("abc")`` fail without saying which option)."""
-    if not isinstance(value, (str, bytes)):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
-            pass
-    raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -201,36 +193,13 @@ assert set(OPTION_DOCS) == set(OPTION_NAMES), "every LossOptions field needs its
 
 def _checked(opts: LossOptions) -> dict[str, Any]:
     """The normalised value of every option; raises for a bad one, naming it."""
-    if not isinstance(opts.ignore_index, int) or isinstance(opts.ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(opts.ignore_index).__name__}")
-    if not -(2**63) <= opts.ignore_index < 2**63:
-        raise ValueError(f"ignore_index must fit in int64 (labels are int64), got {opts.ignore_index}")
-    if opts.reduction not in REDUCTIONS:
-        raise ValueError(f"unknown reduction {opts.reduction!r}; expected one of {REDUCTIONS}")
-    if opts.backend not in BACKEND_NAMES:
-        raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
-    label_smoothing = option_float("label_smoothing", opts.label_smoothing)
+    check_shared(opts)
+    label_smoothing = unit_interval("label_smoothing", opts.label_smoothing)
     z_loss_scale = option_float("z_loss_scale", opts.z_loss_scale)
-    softcap = None if opts.softcap is None else option_float("softcap", opts.softcap)
-    logit_scale = None if opts.logit_scale is None else option_float("logit_scale", opts.logit_scale)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not (math.isfinite(z_loss_scale) and z_loss_scale >= 0.0):
         raise ValueError(f"z_loss_scale must be finite and >= 0, got {z_loss_scale}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0.0):
-        raise ValueError(f"softcap must be a finite number > 0 (or None), got {softcap}")
-    if logit_scale is not None and not (math.isfinite(logit_scale) and logit_scale != 0.0):
-        raise ValueError(f"logit_scale must be a finite non-zero number (or None), got {logit_scale}")
-    if opts.memory_budget is not None:
-        parse_memory_budget(opts.memory_budget)
-    if opts.logits_dtype is not None and opts.logits_dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"logits_dtype must be None or a float dtype (torch.float32), got {opts.logits_dtype!r}"
-        )
-    if not isinstance(opts.tuning, Tuning):
-        raise TypeError(
-            f"tuning must be a liger_patch.ops.core.tuning.Tuning, got {type(opts.tuning).__name__}"
-        )
+    softcap = optional_positive("softcap", opts.softcap)
+    logit_scale = optional_nonzero("logit_scale", opts.logit_scale)
     return dict(
         label_smoothing=label_smoothing,
         z_loss_scale=z_loss_scale,
@@ -273,53 +242,9 @@ def _build(base_key: str, where: str, changes: dict[str, Any]) -> LossOptions:
     return dataclasses.replace(base, **changes) if changes else base
 
 
-_HEX_FLOAT = "float.hex:"
-
-
-def constant_changes(changes: dict[str, Any]) -> dict[str, Any]:
-    """``changes`` as values that ``torch.compile`` passes to :func:`build_options` as constants
-    on every torch version: a ``Tuning`` as its key (torch 2.11's dynamo refuses a frozen
-    dataclass there) and a float as its exact hex string (under ``dynamic=True`` a float read
-    from a variable, such as a config's softcap, is traced as a symbol; ``float.hex``
-    specializes it, with a guard, so a changed value recompiles)."""
-    return {name: _as_constant(value) for name, value in changes.items()}
-
-
-def _as_constant(value: Any) -> Any:
-    if isinstance(value, Tuning):
-        return value.key
-    if isinstance(value, float):
-        return _HEX_FLOAT + value.hex()
-    return value
-
-
-def from_constant(name: str, value: Any) -> Any:
-    """The value ``constant_changes`` encoded for the option ``name`` (other values as given)."""
-    if not isinstance(value, str):
-        return value
-    if name == "tuning":
-        try:
-            return Tuning.from_key(value)
-        except (ValueError, TypeError, KeyError):
-            message = f"tuning must be a liger_patch.ops.core.tuning.Tuning, got the str {value!r}"
-            raise TypeError(message) from None
-    if value.startswith(_HEX_FLOAT):
-        return float.fromhex(value.removeprefix(_HEX_FLOAT))
-    return value
-
-
 # What ``torch.compiler.assume_constant_result`` sets (torch 2.0 onwards); the decorator itself
 # imports torch._dynamo, which would add ~1 s to ``import liger_patch``.
 build_options._dynamo_marked_constant = True
-
-
-def check_logits_dtype(logits_dtype: torch.dtype | None, input_dtype: torch.dtype) -> None:
-    """``logits_dtype`` is None (the input dtype), fp32, or the input dtype itself."""
-    if logits_dtype is None or logits_dtype in (torch.float32, input_dtype):
-        return
-    raise ValueError(
-        f"logits_dtype must be None (the input dtype, {input_dtype}) or torch.float32, got {logits_dtype!r}"
-    )
 
 
 def options_parameters(exclude: tuple[str, ...] = ()) -> list[inspect.Parameter]:

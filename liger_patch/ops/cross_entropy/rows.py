@@ -15,20 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from liger_patch.ops.core.final_logits import final_logits
 from liger_patch.ops.core.validation import check_column_block, check_row_records
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
-
-
-def final_logits(logits: torch.Tensor, opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """z = softcap(s * x) in fp32, and u = s * x / c (for the softcap's derivative) or None."""
-    x = logits.float()
-    if opts.logit_scale is not None:
-        x = x * opts.scale
-    if opts.softcap is None:
-        return x, None
-    u = x / opts.softcap
-    return opts.softcap * torch.tanh(u), u
 
 
 @dataclass(frozen=True)
@@ -230,3 +220,16 @@ def _grad(
     if opts.logit_scale is not None:
         g *= opts.scale
     return torch.where(block.keep.unsqueeze(-1), g, 0.0)
+
+
+def z_loss_rows(
+    lse: torch.Tensor, opts: LossOptions, token_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``z_loss_scale * lse^2`` per row, times the row's ``token_scale`` when token scaling gives
+    one (as the row kernels scale the cross-entropy); exactly 0 without z-loss (``0 * lse^2``
+    would be NaN once lse^2 overflows fp32, at |lse| > 1.8e19, where the cross-entropy itself is
+    finite)."""
+    if opts.z_loss_scale == 0.0:
+        return torch.zeros_like(lse)
+    z_rows = opts.z_loss_scale * lse.square()
+    return z_rows if token_scale is None else z_rows * token_scale

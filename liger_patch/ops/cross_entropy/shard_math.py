@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 
 from liger_patch.ops.core import budget
-from liger_patch.ops.core.backends import Backend
+from liger_patch.ops.core.final_logits import final_logits
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
+from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.options import LossOptions, build_options
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, RowOutputs
-from liger_patch.ops.cross_entropy.rows import final_logits
 
 _F32, _F64 = torch.float32, torch.float64
 
@@ -76,7 +76,7 @@ def _kernel_labels(labels: torch.Tensor, local: torch.Tensor, in_shard: torch.Te
 
 
 def _chunk_stats(
-    backend: Backend,
+    backend: RowBackend,
     logits: torch.Tensor,
     labels: torch.Tensor,
     opts: LossOptions,
@@ -122,7 +122,7 @@ def _empty_shard_stats(stats: torch.Tensor, names: tuple[str, ...]) -> torch.Ten
 
 @torch.no_grad()
 def shard_stats(
-    backend: Backend,
+    backend: RowBackend,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,

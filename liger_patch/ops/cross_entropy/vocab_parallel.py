@@ -42,52 +42,27 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import validation
-from liger_patch.ops.core.backends import Backend, pick
-from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights, z_loss_rows
-from liger_patch.ops.cross_entropy import outputs, shard_math
-from liger_patch.ops.cross_entropy.functional import autocast_inputs
-from liger_patch.ops.cross_entropy.operator import class_weight_record, recompute_grads
-from liger_patch.ops.cross_entropy.options import (
-    DEFAULT_OPTIONS,
-    LossOptions,
-    build_options,
-    check_logits_dtype,
-    constant_changes,
+from liger_patch.ops.core.options import check_logits_dtype, constant_changes
+from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
+from liger_patch.ops.core.vocab_shard import (
+    VocabShard,
+    all_gather_stats,
+    check_ranks_agree,
+    check_shard_tensors,
 )
+from liger_patch.ops.cross_entropy import outputs, shard_math
+from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
+from liger_patch.ops.cross_entropy.operator import class_weight_record, recompute_grads
+from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions, build_options
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad
-from liger_patch.ops.cross_entropy.rows import RowStats, row_loss
+from liger_patch.ops.cross_entropy.rows import RowStats, row_loss, z_loss_rows
 
-__all__ = [
-    "VocabShard",
-    "all_gather_stats",
-    "check_ranks_agree",
-    "check_shard_tensors",
-    "shard_backend",
-    "vocab_parallel_loss",
-]
+__all__ = ["shard_backend", "vocab_parallel_loss"]
 
 _F32 = torch.float32
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """Where this rank's rows of a vocabulary-sharded weight sit: rows ``[offset, offset + V_r)``
-    of ``vocab`` (V_r is the local weight's row count), the other shards held by the other ranks
-    of ``group`` (``None``: the default group). An empty shard (V_r = 0) is allowed."""
-
-    offset: int
-    vocab: int
-    group: Any = None
-
-    def check(self, rows: int) -> None:
-        """Raise unless ``rows`` rows from ``offset`` fit in ``vocab``."""
-        if not (self.offset >= 0 and self.offset + rows <= self.vocab):
-            raise ValueError(
-                f"a vocabulary shard of {rows} rows at offset {self.offset} does not fit in V={self.vocab}"
-            )
-
-
-def shard_backend(base: Backend, shard: VocabShard) -> Backend:
+def shard_backend(base: RowBackend, shard: VocabShard) -> RowBackend:
     """``base`` with a row kernel that reads the shard's logits as columns ``[offset, offset + V_r)``
     of rows of ``shard.vocab`` logits, so ``chunked.run_chunks`` computes the shard's gradients
     from the whole rows' log-sum-exp (``lse_in``) unchanged. Its column blocks (the two-pass path)
@@ -113,80 +88,6 @@ def shard_backend(base: Backend, shard: VocabShard) -> Backend:
         )
 
     return dataclasses.replace(base, row_kernel=row_kernel, fused_logits=None)
-
-
-def _flags(
-    labels: Tensor,
-    vocab: int,
-    opts: LossOptions,
-    user_divisor: Tensor | None,
-    needs: list[bool],
-    maxima: tuple[int, ...],
-):
-    """This rank's ``[*maxima, bad label, bad divisor, *same, *(-same)]`` (int64), ``same`` being
-    what every rank of the group must agree on: the token count, the labels' sum, the kept
-    tokens' count (the distillation op walks the kept tokens' chunks with a collective each),
-    the gradients wanted."""
-    device = labels.device
-    keep = labels != opts.ignore_index
-    bad_label = (keep & ((labels < 0) | (labels >= vocab))).any()
-    bad_divisor = torch.zeros((), dtype=torch.bool, device=device)
-    if user_divisor is not None:
-        bad_divisor = ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
-    same = torch.stack([torch.tensor(labels.shape[0], device=device), labels.sum(), keep.sum()])
-    same = torch.cat([same, torch.tensor([int(x) for x in needs], device=device)])
-    flags = torch.stack([bad_label, bad_divisor]).long()
-    return torch.cat([torch.tensor(maxima, dtype=torch.long, device=device), flags, same, -same])
-
-
-def check_ranks_agree(
-    labels: Tensor,
-    shard: VocabShard,
-    opts: LossOptions,
-    user_divisor: Tensor | None,
-    needs: list[bool],
-    maxima: tuple[int, ...] = (),
-) -> list[int]:
-    """Raise on every rank of the group, never on some only (the others would wait in the next
-    collective): for a label outside [0, V) (IndexError, as ``validation.check_values``), a bad
-    ``num_items_in_batch`` tensor (ValueError), or ranks that passed different tokens (count,
-    labels or kept count) or want different gradients (ValueError). One all-reduce (max) of a few integers and
-    one host sync: the values that must agree travel as v and -v, so max(-v) = -min(v). Returns
-    the group's largest value of each of this rank's ``maxima`` (what every rank must size alike,
-    such as the chunks of a pass with a collective per chunk)."""
-    flags = _flags(labels, shard.vocab, opts, user_divisor, needs, maxima)
-    reduced = flags.clone()
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=shard.group)
-    mine, group = torch.stack([flags, reduced]).tolist()
-    agreed, mine, group = group[: len(maxima)], mine[len(maxima) :], group[len(maxima) :]
-    if mine[0] or mine[1]:
-        validation.check_values(labels, shard.vocab, opts.ignore_index, user_divisor)  # raises, saying which
-    if group[0]:
-        raise IndexError(
-            f"a label on another rank of the vocabulary-parallel group is outside [0, {shard.vocab}) and "
-            f"is not ignore_index={opts.ignore_index}"
-        )
-    if group[1]:
-        raise ValueError(
-            "num_items_in_batch on another rank of the vocabulary-parallel group is not finite and >= 0"
-        )
-    k = (len(group) - 2) // 2
-    if group[2 : 2 + k] != [-x for x in group[2 + k :]]:
-        raise ValueError(
-            "the ranks of a vocabulary-parallel group passed different tokens (counts or labels) or want "
-            f"different gradients (here {labels.shape[0]} tokens): every rank of a tensor-parallel group "
-            "must compute the loss of the same tokens"
-        )
-    return agreed
-
-
-def all_gather_stats(stats: Tensor, group: Any) -> Tensor:
-    """Every rank's ``(k, N)`` statistics, as ``(ranks, k, N)`` (ranks in the group's order)."""
-    world = dist.get_world_size(group)
-    out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    gather(out, stats.contiguous(), group=group)
-    return out.view(world, *stats.shape)
 
 
 @dataclass
@@ -233,13 +134,15 @@ class _VocabParallelLoss(torch.autograd.Function):
         labels = labels.long().contiguous()
         keep = labels != opts.ignore_index
         cw = class_weight_record(class_weight)
-        divisor = loss_divisor(opts, keep, labels, cw, num_items, num_items_value)
+        divisor = loss_divisor(
+            opts.reduction, keep, labels, None if cw is None else cw.weight, num_items, num_items_value
+        )
         needs = list(ctx.needs_input_grad[:3])
-        check_ranks_agree(labels, shard, opts, divisor if num_items is not None else None, needs)
+        check_ranks_agree(labels, shard, opts.ignore_index, divisor if num_items is not None else None, needs)
         names = shard_math.stat_names(opts)
         with torch.autocast(hidden.device.type, enabled=False):
             stats = shard_math.shard_stats(
-                pick(opts.backend, hidden.device), hidden, weight, bias, labels, opts, shard.offset, cw
+                row_backend(opts.backend, hidden.device), hidden, weight, bias, labels, opts, shard.offset, cw
             )
         rows = _rows(
             shard_math.combine(all_gather_stats(stats, shard.group), names), labels, opts, cw, shard.vocab
@@ -308,7 +211,7 @@ def _shard_grads(
             for t, need in zip((hidden, weight, bias), needs, strict=True)
         ]
     res = recompute_grads(
-        shard_backend(pick(opts.backend, hidden.device), shard),
+        shard_backend(row_backend(opts.backend, hidden.device), shard),
         inputs,
         labels,
         class_weight,
@@ -320,28 +223,6 @@ def _shard_grads(
         entropy_grad=entropy_grad,
     )
     return [res.grad_hidden, res.grad_weight, res.grad_bias]
-
-
-def check_shard_tensors(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Tensor | None,
-    class_weight: Tensor | None,
-    shard: VocabShard,
-) -> None:
-    """``validation``'s checks, for a shard: it may have no rows (V not much larger than the group),
-    and class weights are one per class of all V."""
-    rows = weight.shape[0] if weight.dim() == 2 else 1
-    stand_in = weight.new_zeros(()).expand(1, weight.shape[-1]) if rows == 0 else weight
-    validation.check_tensors(hidden, stand_in, labels, bias if rows else None)
-    if rows == 0 and bias is not None and tuple(bias.shape) != (0,):
-        raise ValueError(f"bias must have shape (0,) like the shard's weight; got {tuple(bias.shape)}")
-    shard.check(rows)
-    if class_weight is not None:  # checked against a (V, H) stand-in for the whole weight
-        validation.check_class_weight(
-            class_weight, weight.new_zeros(()).expand(shard.vocab, weight.shape[-1])
-        )
 
 
 def vocab_parallel_loss(
@@ -368,7 +249,7 @@ def vocab_parallel_loss(
     opts = build_options(options.key, **constant_changes(overrides))
     validation.check_num_items(num_items_in_batch, opts.reduction)
     check_shard_tensors(hidden, weight, labels, bias, class_weight, shard)
-    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    hidden, weight, bias = validation.autocast_inputs(hidden, weight, bias)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
     loss, z_loss, argmax, entropy = _VocabParallelLoss.apply(
         hidden.reshape(labels.numel(), hidden.shape[-1]),

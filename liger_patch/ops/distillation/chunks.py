@@ -25,18 +25,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core.backends import Backend
 from liger_patch.ops.core.budget import chunk_rows
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits, mm_into
 from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight
-from liger_patch.ops.core.head_start import HeadStart
-from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.distillation.options import DistillOptions
+from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 from liger_patch.ops.distillation.rows import ROW_BUFFERS, distill_rows, side_log_probs
 
 _F32 = torch.float32
 
-FinalLogits = Callable[[Tensor, LossOptions, bool], tuple[Tensor, Tensor | None]]
+FinalLogits = Callable[[Tensor, SideOptions, bool], tuple[Tensor, Tensor | None]]
 """``side_log_probs`` or ``side_logits``: a side's raw logits chunk to its fp32 values (and slope)."""
 
 
@@ -117,7 +114,7 @@ def torch_row_bytes(
 
 
 def side_chunk(
-    rows: Rows, side: Side, side_opts: LossOptions, final: FinalLogits, want_slope: bool = False
+    rows: Rows, side: Side, side_opts: SideOptions, final: FinalLogits, want_slope: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One side's hidden rows of the chunk as the GEMMs read them, and ``final`` of their fp32
     logits, passed on without a reference kept (``side_log_probs``, or a shard's
@@ -141,16 +138,6 @@ def _torch_step(
 
 
 TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
-
-
-def chunk_math(backend: Backend, head: HeadStart | None = None) -> ChunkMath:
-    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton and
-    takes the teacher's ``head`` (``distillation_triton.start_head``) for its first chunk."""
-    if backend.name == "torch":
-        return TORCH_MATH
-    from liger_patch.ops.distillation.triton_chunk import triton_math
-
-    return triton_math(backend, head)
 
 
 class StudentGrads:
@@ -271,7 +258,7 @@ def run_distill(
     of ``coef_i * loss_i`` summed, for the student's hidden, weight and bias as ``needs`` asks.
 
     ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
-    ``math``: the backend's chunk work (``chunk_math``)."""
+    ``math``: the backend's chunk work (``operator.chunk_math``)."""
     s, t = Side.of(student), Side.of(teacher)
     want = coef is not None and any(needs)
     res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))

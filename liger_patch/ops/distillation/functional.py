@@ -16,7 +16,6 @@ from torch import Tensor
 
 from liger_patch.ops.core import validation
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
-from liger_patch.ops.cross_entropy.functional import autocast_inputs
 from liger_patch.ops.distillation import operator  # noqa: F401  (registers the operators)
 from liger_patch.ops.distillation.options import (
     DISTILL_OPTION_DOCS,
@@ -39,7 +38,7 @@ def _checked_side(
     side), then cast as autocast casts an ``nn.Linear``'s inputs."""
     try:
         validation.check_tensors(hidden, weight, labels, bias)
-        return autocast_inputs(hidden, weight, bias)
+        return validation.autocast_inputs(hidden, weight, bias)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{side}: {exc}") from None
 

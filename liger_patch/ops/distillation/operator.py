@@ -28,12 +28,12 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start, validation
 from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights
-from liger_patch.ops.cross_entropy import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
-from liger_patch.ops.distillation.chunks import ChunkMath, Head, Side, chunk_math, run_distill
-from liger_patch.ops.distillation.options import DistillOptions, check_logits_dtypes, grads_in_forward
+from liger_patch.ops.distillation.chunks import TORCH_MATH, ChunkMath, Head, Side, run_distill
+from liger_patch.ops.distillation.options import DistillOptions, check_logits_dtypes
 
 _F32 = torch.float32
 
@@ -71,6 +71,16 @@ def _start_head(
         )  # fmt: skip
 
 
+def chunk_math(backend: Backend, head: HeadStart | None = None) -> ChunkMath:
+    """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton and
+    takes the teacher's ``head`` (``distillation_triton.start_head``) for its first chunk."""
+    if backend.name == "torch":
+        return TORCH_MATH
+    from liger_patch.ops.distillation.triton_chunk import triton_math
+
+    return triton_math(backend, head)
+
+
 def _math(opts: DistillOptions, student_hidden: Tensor) -> ChunkMath:
     """The chunk work of the backend this call runs (``backends.pick``: "auto" is Triton on CUDA
     or under ``TRITON_INTERPRET=1``, else torch; "triton" elsewhere raises why)."""
@@ -98,16 +108,18 @@ def fused_distill(
     backend = pick(opts.backend, student_hidden.device)
     labels = labels.long().contiguous()
     keep = labels != opts.ignore_index
-    counted = counted_divisor(opts.student, None, num_items, num_items_value)
+    counted = counted_divisor(opts.reduction, None, num_items, num_items_value)
     # A divisor that is the kept count is read in the label check's sync: no launches for it.
-    divisor = None if counted else loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
+    divisor = (
+        None if counted else loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value)
+    )
     vocab = student_weight.shape[0]
     check = validation.start_value_check(
         labels, vocab, opts.ignore_index, divisor if num_items is not None else None
     )
     student = Head(student_hidden, student_weight, student_bias)
     teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
-    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
+    precompute = grads_in_forward(opts.reduction, student_hidden.dtype, needs)
     budget_bytes = _budget(opts, student_hidden, labels.shape[0])
     shape_key = ("distill", student_hidden.device, labels.shape[0], vocab)
     head = _start_head(
@@ -116,7 +128,7 @@ def fused_distill(
     n_kept = check.result()  # the host waits here, while the head's GEMM runs
     head_start.remember(shape_key, n_kept < labels.shape[0])
     if counted:
-        divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value, n_kept=n_kept)
+        divisor = loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value, n_kept=n_kept)
     kept = None if n_kept == labels.shape[0] else torch.nonzero_static(keep, size=n_kept).view(-1)
     row_weight = row_weights(keep, opts.reduction, divisor)
     with torch.autocast(student_hidden.device.type, enabled=False):
@@ -153,7 +165,7 @@ def _fused_distill_fake(
     opts = DistillOptions.from_key(options)
     check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     n = labels.shape[0]
-    precompute = grads_in_forward(opts, student_hidden.dtype, needs)
+    precompute = grads_in_forward(opts.reduction, student_hidden.dtype, needs)
     grads = (
         t.new_empty(t.shape)
         if t is not None and precompute and need
@@ -223,7 +235,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(row_weight, grad_h, grad_w, grad_b)
     ctx.options, ctx.needs = options, needs
-    if grads_in_forward(DistillOptions.from_key(options), sh.dtype, needs):
+    if grads_in_forward(DistillOptions.from_key(options).reduction, sh.dtype, needs):
         # Not saved tensors: the backward scales them in place (a retained graph's version check
         # would refuse that), and nothing else is kept.
         ctx.pre = (grad_h, grad_w, grad_b)
@@ -246,8 +258,8 @@ def _backward(ctx, grad_loss, *_no_grads):
         pre, ctx.pre, ctx.spent = ctx.pre, None, True
         grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
         scale = grad_loss if grad_loss is not None else torch.zeros((), device=pre[0].device)
-        student_key = DistillOptions.from_key(ctx.options).student.key
-        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), student_key)
+        backend = DistillOptions.from_key(ctx.options).backend
+        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), backend)
         return (*grads, *_NO_INPUT_GRADS)
     if not any(ctx.needs):  # only a teacher tensor asked for a gradient: it gets none
         return (None,) * (3 + len(_NO_INPUT_GRADS))

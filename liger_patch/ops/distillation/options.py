@@ -2,8 +2,8 @@
 
 The public functional and the Module build one from keywords (``build_distill_options``); the
 registered operator receives it as one string (``key``) and rebuilds it (``from_key``, cached).
-Each side's final logits at the temperature are described by a ``LossOptions`` (``student``,
-``teacher``), so the cross-entropy op's ``torch_ce.final_logits`` computes them: the temperature
+Each side's final logits at the temperature are described by a ``SideOptions`` (``student``,
+``teacher``), which ``core.final_logits`` and the shared chunk machinery read: the temperature
 folds into the logit scale and softcap exactly as for ``fused_linear_logprobs``.
 """
 
@@ -18,18 +18,38 @@ from typing import Any
 
 import torch
 
-from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
-from liger_patch.ops.cross_entropy.logprobs import temperature_options
-from liger_patch.ops.cross_entropy.options import (
-    BACKEND_NAMES,
+from liger_patch.ops.core.final_logits import temperature_options
+from liger_patch.ops.core.options import (
     BackendName,
-    LossOptions,
     Reduction,
     check_logits_dtype,
+    check_shared,
     constant_changes,
     from_constant,
     option_float,
+    optional_nonzero,
+    optional_positive,
+    unit_interval,
 )
+from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
+
+
+@dataclass(frozen=True)
+class SideOptions:
+    """One side's final logits at the temperature as the shared machinery reads them
+    (``core.final_logits.LogitsOptions``): the side's logit scale and softcap with the temperature
+    folded in (``temperature_options``), and the call's tuning. The fused logits GEMM never sums
+    a side's logits (that is the cross-entropy's label smoothing): ``label_smoothing`` is 0."""
+
+    logit_scale: float | None
+    softcap: float | None
+    tuning: Tuning
+    label_smoothing: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """The logit multiplier as a number (1 without ``logit_scale``)."""
+        return 1.0 if self.logit_scale is None else self.logit_scale
 
 
 @dataclass(frozen=True)
@@ -38,9 +58,8 @@ class DistillOptions:
 
     Checked and normalised on construction (numbers become floats; a bad value raises, naming
     the option). ``key`` is every option as one string, ``student`` and ``teacher`` the
-    ``LossOptions`` whose ``final_logits`` are that side's final logits divided by the
-    temperature, with this call's backend (whose scaling kernel the backward uses) and memory
-    budget.
+    ``SideOptions`` whose ``final_logits`` are that side's final logits divided by the
+    temperature, with this call's tuning.
     """
 
     beta: float = 0.0
@@ -64,16 +83,8 @@ class DistillOptions:
         object.__setattr__(self, "student", self._side(self.student_softcap, self.student_logit_scale))
         object.__setattr__(self, "teacher", self._side(self.teacher_softcap, self.teacher_logit_scale))
 
-    def _side(self, softcap: float | None, logit_scale: float | None) -> LossOptions:
-        return LossOptions(
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            backend=self.backend,
-            memory_budget=self.memory_budget,
-            logits_dtype=self.logits_dtype,
-            tuning=self.tuning,
-            **temperature_options(self.temperature, logit_scale, softcap),
-        )
+    def _side(self, softcap: float | None, logit_scale: float | None) -> SideOptions:
+        return SideOptions(tuning=self.tuning, **temperature_options(self.temperature, logit_scale, softcap))
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
@@ -139,55 +150,22 @@ DISTILL_OPTION_DOCS = {
 assert set(DISTILL_OPTION_DOCS) == set(DISTILL_OPTION_NAMES), "every option needs its line"
 
 
-def _unit_interval(name: str, value: object) -> float:
-    number = option_float(name, value)
-    if not 0.0 <= number <= 1.0:  # NaN fails too
-        raise ValueError(f"{name} must be in [0, 1], got {number}")
-    return number
-
-
-def _optional_positive(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    number = option_float(name, value)
-    if not (math.isfinite(number) and number > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0 (or None), got {number}")
-    return number
-
-
-def _optional_scale(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    number = option_float(name, value)
-    if not (math.isfinite(number) and number != 0.0):
-        raise ValueError(f"{name} must be a finite non-zero number (or None), got {number}")
-    return number
-
-
 def _checked(opts: DistillOptions) -> dict[str, Any]:
     """The normalised value of every option; raises for a bad one, naming it. ``ignore_index``,
     ``reduction``, ``memory_budget``, ``logits_dtype`` and ``tuning`` are checked as the
     cross-entropy op checks them (a dtype against the inputs' at the call: ``check_logits_dtypes``)."""
-    LossOptions(
-        ignore_index=opts.ignore_index,
-        reduction=opts.reduction,
-        memory_budget=opts.memory_budget,
-        logits_dtype=opts.logits_dtype,
-        tuning=opts.tuning,
-    )
-    if opts.backend not in BACKEND_NAMES:
-        raise ValueError(f"unknown backend {opts.backend!r}; expected one of {BACKEND_NAMES}")
+    check_shared(opts)
     temperature = option_float("temperature", opts.temperature)
     if not (math.isfinite(temperature) and temperature > 0.0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     return dict(
-        beta=_unit_interval("beta", opts.beta),
-        ce_weight=_unit_interval("ce_weight", opts.ce_weight),
+        beta=unit_interval("beta", opts.beta),
+        ce_weight=unit_interval("ce_weight", opts.ce_weight),
         temperature=temperature,
-        student_softcap=_optional_positive("student_softcap", opts.student_softcap),
-        teacher_softcap=_optional_positive("teacher_softcap", opts.teacher_softcap),
-        student_logit_scale=_optional_scale("student_logit_scale", opts.student_logit_scale),
-        teacher_logit_scale=_optional_scale("teacher_logit_scale", opts.teacher_logit_scale),
+        student_softcap=optional_positive("student_softcap", opts.student_softcap),
+        teacher_softcap=optional_positive("teacher_softcap", opts.teacher_softcap),
+        student_logit_scale=optional_nonzero("student_logit_scale", opts.student_logit_scale),
+        teacher_logit_scale=optional_nonzero("teacher_logit_scale", opts.teacher_logit_scale),
     )
 
 
@@ -213,14 +191,6 @@ def build_distill_options(where: str = "fused_linear_distillation", **options: A
         if "unhashable" not in str(exc):
             raise
         return _build(options)
-
-
-def grads_in_forward(opts: DistillOptions, dtype: torch.dtype, needs: list[bool]) -> bool:
-    """Whether a forward computes the student's gradients while its chunks are hot, leaving the
-    backward to multiply them by the one scalar upstream gradient: with reduction "mean" or
-    "sum", unless the student is fp16 (a GradScaler's factor must come before the rounding to
-    fp16) or nothing wants a gradient."""
-    return opts.reduction != "none" and dtype != torch.float16 and any(needs)
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,9 +32,8 @@ import math
 import torch
 from torch import Tensor
 
-from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.rows import final_logits
-from liger_patch.ops.distillation.options import DistillOptions
+from liger_patch.ops.core.final_logits import final_logits
+from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 
 ROW_BUFFERS = 7
 """fp32 rows x V buffers a chunk holds at its peak (counted by tests/ops/distillation/test_loss.py):
@@ -135,7 +134,7 @@ def _softcap_slope_(u: Tensor) -> Tensor:
     return e.mul_(4.0).div_(denominator)
 
 
-def _to_raw_logits_(g: Tensor, slope: Tensor | None, side: LossOptions) -> Tensor:
+def _to_raw_logits_(g: Tensor, slope: Tensor | None, side: SideOptions) -> Tensor:
     """d/da -> d/dx for a = softcap(s' x) with the side's (temperature-folded) scale s'."""
     if slope is not None:
         g.mul_(slope)
@@ -145,7 +144,7 @@ def _to_raw_logits_(g: Tensor, slope: Tensor | None, side: LossOptions) -> Tenso
 
 
 @torch.no_grad()
-def side_log_probs(x: Tensor, side: LossOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
+def side_log_probs(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
     """log_softmax(a) of a side's (rows, V) raw logits ``x``, a = its final logits at the
     temperature (``side``: ``DistillOptions.student`` or ``.teacher``), and with ``want_slope``
     the softcap's slope at each logit (``None`` without a softcap). ``x`` may be consumed: pass it
@@ -195,7 +194,7 @@ def distill_rows(
 
 
 @torch.no_grad()
-def side_logits(x: Tensor, side: LossOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
+def side_logits(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
     """a, a side's final logits at the temperature, from its (rows, V_r) raw logits ``x`` (not
     normalised: the shard sees part of each row), and with ``want_slope`` the softcap's slope
     (``None`` without a softcap); ``x`` may be consumed, as for :func:`side_log_probs`."""

@@ -148,7 +148,7 @@ def _row_bytes(
 
 
 def triton_math(backend: Backend, head: head_start.HeadStart | None = None) -> ChunkMath:
-    """The Triton backend's chunk work (``distillation_chunks.chunk_math``); ``head`` goes to the
+    """The Triton backend's chunk work (``operator.chunk_math``); ``head`` goes to the
     first chunk's step."""
     heads = [] if head is None else [head]
 

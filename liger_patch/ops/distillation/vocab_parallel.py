@@ -49,10 +49,9 @@ from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
+from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
-from liger_patch.ops.cross_entropy import operator as _operator  # noqa: F401  (registers liger_patch::scale_grads_)
-from liger_patch.ops.cross_entropy.functional import autocast_inputs
-from liger_patch.ops.cross_entropy.vocab_parallel import (
+from liger_patch.ops.core.vocab_shard import (
     VocabShard,
     all_gather_stats,
     check_ranks_agree,
@@ -64,7 +63,6 @@ from liger_patch.ops.distillation.options import (
     DistillOptions,
     build_distill_options,
     check_logits_dtypes,
-    grads_in_forward,
 )
 from liger_patch.ops.distillation.rows import divergence_of_sums
 from liger_patch.ops.distillation.shard_math import TORCH, TritonMath
@@ -253,13 +251,13 @@ class _VocabParallelDistill(torch.autograd.Function):
     def forward(ctx, sh, sw, sb, th, tw, tb, labels, num_items, num_items_value, shard, opts, grad_on):
         labels = labels.long().contiguous()
         keep = labels != opts.ignore_index
-        divisor = loss_divisor(opts.student, keep, labels, None, num_items, num_items_value)
+        divisor = loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value)
         needs = [grad_on and n for n in ctx.needs_input_grad[:3]]  # none under no_grad (evaluation)
         user_divisor = divisor if num_items is not None else None
-        (widest,) = check_ranks_agree(labels, shard, opts.student, user_divisor, needs, (sw.shape[0],))
+        (widest,) = check_ranks_agree(labels, shard, opts.ignore_index, user_divisor, needs, (sw.shape[0],))
         kept = keep.nonzero().view(-1)
         row_weight = row_weights(keep, opts.reduction, divisor)
-        precompute = grads_in_forward(opts, sh.dtype, needs)
+        precompute = grads_in_forward(opts.reduction, sh.dtype, needs)
         values = torch.zeros(labels.shape[0], _value_columns(opts), dtype=_F32, device=labels.device)
         with torch.autocast(sh.device.type, enabled=False):
             chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts, widest)
@@ -271,7 +269,7 @@ class _VocabParallelDistill(torch.autograd.Function):
                 chunks.walk(step, values=values)
                 ctx.pre = None
         ctx.set_materialize_grads(False)
-        ctx.needs, ctx.opts_key = needs, opts.student.key
+        ctx.needs, ctx.backend = needs, opts.backend
         if precompute:  # nothing else kept: a second backward is refused
             return reduce_rows(values[:, 0].contiguous(), opts.reduction, divisor)
         # The teacher's tensors get no gradient; inference tensors cannot be saved: kept as attributes.
@@ -290,7 +288,7 @@ class _VocabParallelDistill(torch.autograd.Function):
             pre, ctx.pre, ctx.spent = ctx.pre, None, True
             grads = [g for g in pre if g is not None]
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=grads[0].device)
-            torch.ops.liger_patch.scale_grads_(grads, scale.float(), ctx.opts_key)
+            torch.ops.liger_patch.scale_grads_(grads, scale.float(), ctx.backend)
             return (*pre, *(None,) * 9)
         if getattr(ctx, "spent", False):
             raise RuntimeError(
@@ -317,7 +315,7 @@ def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) ->
         check_shard_tensors(hidden, weight, labels, bias, None, shard)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{side}: {exc}") from None
-    return autocast_inputs(hidden, weight, bias)
+    return validation.autocast_inputs(hidden, weight, bias)
 
 
 def vocab_parallel_distillation(

@@ -3,13 +3,12 @@
 import pytest
 import torch
 
-from liger_patch.ops.core.backends import TORCH, pick
-from liger_patch.ops.cross_entropy.rows import ce_rows_torch
+from liger_patch.ops.core.backends import TORCH, pick, scale_in_fp32_
 
 
 def test_torch_record():
     assert pick("torch", torch.device("cpu")) is TORCH
-    assert TORCH.row_kernel is ce_rows_torch and TORCH.fused_logits is None
+    assert TORCH.fused_logits is None and TORCH.scale_ is scale_in_fp32_
     assert TORCH.unavailable(torch.device("cpu")) is None
 
 

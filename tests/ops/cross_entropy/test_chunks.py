@@ -12,10 +12,10 @@ import torch
 from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, record_calls
 
 import liger_patch as lp
-from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import chunks as chunked
 from liger_patch.ops.cross_entropy import operator as flce_operator
+from liger_patch.ops.cross_entropy.backends import row_backend
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import RowOutputs
 
@@ -101,7 +101,7 @@ def _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_b
     grad_W, grad_b."""
     coef = (labels != -100).float() * 0.37
     res = chunked.run_chunks(
-        pick(backend, device),
+        row_backend(backend, device),
         hidden,
         weight,
         bias,
@@ -160,7 +160,7 @@ def test_all_rows_ignored_gives_zero_grad_weight_not_garbage(gen, device, backen
     weight = torch.randn(20, 6, generator=gen).to(device)
     labels = torch.full((8,), -100, device=device)
     res = chunked.run_chunks(
-        pick(backend, device),
+        row_backend(backend, device),
         hidden,
         weight,
         None,

@@ -234,9 +234,8 @@ def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, device, monkeyp
     added before the rows."""
     import dataclasses
 
-    from liger_patch.ops.core import backends
     from liger_patch.ops.core.triton import logits as triton_logits
-    from liger_patch.ops.cross_entropy import operator
+    from liger_patch.ops.cross_entropy import backends, operator
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the fused GEMM takes
     probe = [torch.zeros(rows, 16, device=device, dtype=dtype) for rows in (8, 48)]
@@ -245,14 +244,14 @@ def test_triton_fused_logits_gemm_is_not_used_with_the_term(gen, device, monkeyp
     calls = []
 
     def spied(name, device):  # the Triton record with its fused GEMM counted (records are cached)
-        backend = backends.pick(name, device)
+        backend = backends.row_backend(name, device)
         fused = backend.fused_logits
         counted = dataclasses.replace(
             fused, logits_with_partials=lambda *a, **k: calls.append(1) or fused.logits_with_partials(*a, **k)
         )
         return dataclasses.replace(backend, fused_logits=counted)
 
-    monkeypatch.setattr(operator, "pick", spied)
+    monkeypatch.setattr(operator, "row_backend", spied)
     options = LossOptions.from_kwargs(backend="triton")
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, u, b)]
     loss = fused_loss(leaves[0], weight, labels, options=options, low_rank=(leaves[1], leaves[2]))

@@ -24,7 +24,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import liger_patch as lp
-from liger_patch.ops.cross_entropy import operator
+from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.cross_entropy.options import LossOptions
 
 HAS_CUDA = torch.cuda.is_available()
@@ -123,7 +123,7 @@ def test_opcheck_flce(gen, device, chunk_rows, backend, case):
     args = _flce_args(gen, device, options=options, **spec)
     hidden, needs = args[0], args[-1]
     utils = OPCHECK_UTILS
-    if operator._precompute(LossOptions.from_key(args[7]), hidden.dtype, needs):
+    if grads_in_forward(LossOptions.from_key(args[7]).reduction, hidden.dtype, needs):
         # The forward returns the gradients it computed at scale 1 as (non-differentiable) outputs,
         # and the backward scales those same tensors in place (scale_grads_). test_aot_dispatch_dynamic
         # returns *every* output of the op from the traced function, so these internal outputs become
@@ -200,29 +200,27 @@ def test_opcheck_flce_backward(gen, device, backend, with_entropy):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_scale_grads(gen, device, backend):
-    key = LossOptions(backend=backend).key
     grads = [torch.randn(5, H, generator=gen).to(device), torch.randn(V, H, generator=gen).to(device)]
     # All four sub-tests apply to this mutating op too: test_schema checks that only `grads` is
     # written, and the AOT test functionalises the in-place write.
-    torch.library.opcheck(OPS.scale_grads_, (grads, torch.tensor(0.37, device=device), key))
+    torch.library.opcheck(OPS.scale_grads_, (grads, torch.tensor(0.37, device=device), backend))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [0.37, 1.0, 0.0])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scale_grads_multiplies_in_place(gen, device, backend, scale, dtype):
-    key = LossOptions(backend=backend).key
     grads = [
         torch.randn(5, H, generator=gen).to(device, dtype),
         torch.randn(V, generator=gen).to(device, dtype),
     ]
     expected = [(g.float() * scale).to(dtype) for g in grads]  # the fp32 product, rounded once
     pointers = [g.data_ptr() for g in grads]
-    assert OPS.scale_grads_(grads, torch.tensor(scale, device=device), key) is None
+    assert OPS.scale_grads_(grads, torch.tensor(scale, device=device), backend) is None
     assert [g.data_ptr() for g in grads] == pointers
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
-    OPS.scale_grads_([], torch.tensor(scale, device=device), key)  # nothing to scale
+    OPS.scale_grads_([], torch.tensor(scale, device=device), backend)  # nothing to scale
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import liger_patch as lp
+from liger_patch.ops.core.options import constant_changes
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy.options import (
     LOSS_OPTIONS,
@@ -20,7 +21,6 @@ from liger_patch.ops.cross_entropy.options import (
     OptionKind,
     _option,
     build_options,
-    constant_changes,
     option_defaults,
     option_kinds,
     options_of_kind,

@@ -6,9 +6,9 @@ import pytest
 import torch
 from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, call_op, check_parity, make_case, record_calls
 
-from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import chunks as chunked
+from liger_patch.ops.cross_entropy.backends import row_backend
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.rows import ce_rows_torch
 
@@ -107,7 +107,7 @@ def test_column_block_gradient_matches_the_full_row(gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_column_block_without_lse_is_refused(gen, device, backend):
-    kernel = pick(backend, device).row_kernel
+    kernel = row_backend(backend, device).row_kernel
     logits = torch.randn(3, 5, generator=gen).to(device)
     with pytest.raises(ValueError, match="log-sum-exp"):
         kernel(

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard, vocab_parallel_loss
+from liger_patch.ops.core.vocab_shard import VocabShard
+from liger_patch.ops.cross_entropy.vocab_parallel import vocab_parallel_loss
 from tests.op_helpers import (
     ALL_OPTIONS,
     COMBINED,

@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 import liger_patch as lp
 from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.budget import PER_TOKEN_BYTES, SLACK_BYTES
-from liger_patch.ops.distillation.chunks import Head, Side, chunk_math
+from liger_patch.ops.distillation.chunks import Head, Side
+from liger_patch.ops.distillation.operator import chunk_math
 from liger_patch.ops.distillation.options import build_distill_options
 from tests.op_helpers import TOL, ignore_mask
 

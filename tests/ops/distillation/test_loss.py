@@ -241,7 +241,7 @@ def test_torch_backend_keeps_fp32_logits_whatever_logits_dtype_says(gen):
         assert torch.equal(loss, results[0][0])
         assert all(torch.equal(g, results[0][1][name]) for name, g in grads.items())
     options = build_distill_options(logits_dtype=torch.float32)
-    assert DistillOptions.from_key(options.key) == options and options.student.logits_dtype == torch.float32
+    assert DistillOptions.from_key(options.key) == options and options.logits_dtype == torch.float32
     assert "logits_dtype=torch.float32" in repr(lp.FusedLinearDistillationLoss(logits_dtype=torch.float32))
 
 

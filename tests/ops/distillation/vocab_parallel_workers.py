@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from liger_patch.ops.cross_entropy.vocab_parallel import VocabShard
+from liger_patch.ops.core.vocab_shard import VocabShard
 from liger_patch.ops.distillation import vocab_parallel as distillation_vocab_parallel
 from liger_patch.ops.distillation.functional import fused_linear_distillation
 from liger_patch.ops.distillation.vocab_parallel import vocab_parallel_distillation

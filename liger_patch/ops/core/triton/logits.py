@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from liger_patch import env
+from liger_patch.ops.core.final_logits import LogitsOptions
 from liger_patch.ops.core.triton.common import jitted, round_bf16_nearest, softcap
 from liger_patch.ops.core.tuning import Tuning
-from liger_patch.ops.cross_entropy.options import LossOptions
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """(pmax, psum, pz): ``logits_with_partials``' per-tile maxima, sums and (smoothing) logit sums."""
@@ -170,14 +170,14 @@ def _tiles(tuning: Tuning, interpret: bool) -> tuple[int, int, int, int, int]:
     return _INTERPRET_CONFIG if interpret else tuning.logits_tiles
 
 
-def partial_bytes_per_row(vocab: int, opts: LossOptions) -> int:
+def partial_bytes_per_row(vocab: int, opts: LogitsOptions) -> int:
     """Bytes of partials ``logits_with_partials`` allocates per row (about V/32 on CUDA, 1/64
     of a half-precision logits row), which the caller's memory budget must cover."""
     bn = _tiles(opts.tuning, env.triton_interpret())[1]
     return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
 
 
-def new_partials(rows: int, vocab: int, opts: LossOptions, device: torch.device) -> Partials:
+def new_partials(rows: int, vocab: int, opts: LogitsOptions, device: torch.device) -> Partials:
     """Empty partials for ``rows`` rows (``logits_with_partials`` fills them)."""
     tiles_n = triton.cdiv(vocab, _tiles(opts.tuning, env.triton_interpret())[1])
     pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=device)
@@ -189,7 +189,7 @@ def logits_with_partials(
     h: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
-    opts: LossOptions,
+    opts: LogitsOptions,
     out: torch.Tensor,
     partials: Partials | None = None,
 ) -> Partials:
