@@ -27,8 +27,8 @@ from liger_patch.ops.core import head_start
 from liger_patch.ops.core.backends import Backend
 from liger_patch.ops.core.budget import ChunkPlan, ChunkShape, plan_chunks
 from liger_patch.ops.core.gemm import chunk_logits, gemm_dtype_for, gemm_logits, grad_view, mm_into
+from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.grad_weight_layout import (
-    accumulate_grad_weight,
     buffer_in,
     grad_weight_buffers,
     weight_operand,
@@ -135,10 +135,11 @@ class _PassState:
 
     ``fused`` is the backend whose fused logits GEMM token chunks may use (``_plan``), ``w`` the
     weight as the GEMMs read it (``weight_operand``), ``b`` the fp32 bias, ``res`` the results the
-    passes fill, and ``grad_sum`` where the token chunks sum grad_W when not in ``res.grad_weight``
-    itself. ``token_grads``: whether the token chunks compute gradients (their row kernel writes
-    d(loss)/d(logits) and grad_h follows). ``labels``, ``coef_ce``, ``coef_z`` and ``lse_in`` have
-    one row per walked row (``rows.index``'s rows, gathered once, when the pass skips rows)."""
+    passes fill, and ``grads`` where the token chunks add up their gradients (grad_W in
+    ``res.grad_weight`` itself or in a sum of another dtype). ``token_grads``: whether the token
+    chunks compute gradients (their row kernel writes d(loss)/d(logits) and grad_h follows).
+    ``labels``, ``coef_ce``, ``coef_z`` and ``lse_in`` have one row per walked row (``rows.index``'s
+    rows, gathered once, when the pass skips rows)."""
 
     backend: RowBackend
     fused: Backend | None
@@ -154,7 +155,7 @@ class _PassState:
     lse_in: torch.Tensor | None
     rows: RowRecords
     res: ChunkResult
-    grad_sum: torch.Tensor | None
+    grads: GradSums
     token_grads: bool
     low_rank: LowRank | None = None
     head: head_start.HeadStart | None = None  # the first chunk's logits, begun before the call
@@ -297,7 +298,12 @@ def run_chunks(
         lse_in=walked(lse_in, row_index),
         rows=rows,
         res=res,
-        grad_sum=grad_sum,
+        grads=GradSums(
+            res.grad_hidden,
+            res.grad_weight if grad_sum is None else grad_sum,
+            res.grad_bias,
+            plan.overwrite_first,
+        ),
         token_grads=compute_grad and (need_hidden or any(need_low_rank) or not plan.two_pass),
         low_rank=term,
         head=head,
@@ -325,7 +331,7 @@ def run_chunks(
 
 def _token_pass(state: _PassState) -> None:
     """Token chunks: logits, the row kernel, then grad_h into its slice and (one pass) grad_W += g^T h,
-    summed in ``state.grad_sum`` when given, else in ``res.grad_weight``.
+    summed in ``state.grads.weight``.
 
     On the two-pass path the chunks may live in grad_W's bytes (``plan.logits_in_grad_weight``),
     free until pass B writes it (its first half, when the weight's copy fills the second)."""
@@ -359,7 +365,7 @@ def _token_pass(state: _PassState) -> None:
         lses.append(lse_c)
         if g is None:
             continue
-        _token_chunk_grads(state, chunk, h, g)
+        state.grads.add(chunk, g, h, w, weight_too=not state.plan.two_pass)
         if u is not None and state.low_rank.wants_grads:
             state.low_rank.chunk_grads(chunk, u, g)
         del logits, g
@@ -376,24 +382,6 @@ def _set_losses(res: ChunkResult, ces: list, lses: list, index: torch.Tensor | N
             getattr(res, name).index_copy_(0, index, walked)
         else:
             setattr(res, name, walked)
-
-
-def _token_chunk_grads(state: _PassState, chunk: Chunk, h: torch.Tensor, g: torch.Tensor) -> None:
-    """One token chunk's gradients from its d(loss)/d(logits) ``g``: grad_h's rows and, on the
-    one-pass path, its share of grad_W and grad_b."""
-    res, w = state.res, state.w
-    if res.grad_hidden is not None:
-        if chunk.index is None:
-            mm_into(res.grad_hidden[chunk.start : chunk.stop], g, w)
-        else:
-            res.grad_hidden.index_copy_(0, chunk.index, (g @ w).to(res.grad_hidden.dtype))
-    if state.plan.two_pass:
-        return
-    grad_weight = res.grad_weight if state.grad_sum is None else state.grad_sum
-    if grad_weight is not None:
-        accumulate_grad_weight(grad_weight, g, h, chunk.start == 0 and state.plan.overwrite_first)
-    if res.grad_bias is not None:
-        res.grad_bias += g.sum(dim=0, dtype=torch.float32)
 
 
 def _vocab_pass(state: _PassState) -> None:

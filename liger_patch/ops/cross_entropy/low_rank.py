@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_patch.ops.core.gemm import mm_into
 from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight
 from liger_patch.ops.core.walked_rows import Chunk
 
@@ -91,10 +90,7 @@ class LowRank:
     def chunk_grads(self, chunk: Chunk, u: torch.Tensor, g: torch.Tensor) -> None:
         """From the chunk's d(loss)/d(logits) ``g``: grad_u's rows ``g B`` and grad_B ``+= g^T u``."""
         if self.grad_u is not None:
-            if chunk.index is None:
-                mm_into(self.grad_u[chunk.start : chunk.stop], g, self.b)
-            else:
-                self.grad_u.index_copy_(0, chunk.index, (g @ self.b).to(self.grad_u.dtype))
+            chunk.put_product(self.grad_u, g, self.b)
         if self.grad_b is not None:
             accumulate_grad_weight(self.grad_b, g, u, first=False)
 

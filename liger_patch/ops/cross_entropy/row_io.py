@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from liger_patch.ops.core.walked_rows import Chunk, walked
+from liger_patch.ops.core.walked_rows import Chunk, chunks, walked
 
 
 @dataclass
@@ -113,10 +113,7 @@ class RowRecords:
 
     def chunks(self, n_rows: int, chunk_rows: int) -> Iterator[Chunk]:
         """The token pass's chunks of ``chunk_rows`` rows: of all ``n_rows``, or of ``index``."""
-        total = n_rows if self.index is None else self.index.shape[0]
-        for start in range(0, total, chunk_rows):
-            stop = min(start + chunk_rows, total)
-            yield Chunk(start, stop, None if self.index is None else self.index[start:stop])
+        return chunks(n_rows, self.index, chunk_rows)
 
     def for_chunk(self, chunk: Chunk) -> dict:
         """Keyword arguments of the row kernel for ``chunk`` (views of the walked records)."""

@@ -7,7 +7,7 @@ Chunks walk the kept tokens only (``kept``: their row numbers), so ignored token
 GEMM. What a chunk holds depends on the backend (``ChunkMath``): the PyTorch one turns both
 chunks into fp32 log-probabilities (``distillation_rows``; ``ROW_BUFFERS`` fp32 rows of V at its
 peak), the Triton one keeps them in the input dtype and runs one row kernel over both
-(``distillation_triton``). Rows per chunk follow from the working memory budget
+(``distillation_triton``). Chunk per chunk follow from the working memory budget
 (``budget.working_bytes``) and the backend's bytes per row. The loop itself (``walk_chunks``) also
 runs each pass of the vocabulary-parallel op (``distillation_vocab_parallel``), with its steps.
 
@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.budget import chunk_rows
-from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits, mm_into
-from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight
+from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
+from liger_patch.ops.core.grad_sums import GradSums
+from liger_patch.ops.core.walked_rows import Chunk, chunks
 from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 from liger_patch.ops.distillation.rows import ROW_BUFFERS, distill_rows, side_log_probs
 
@@ -72,23 +73,6 @@ class DistillResult:
     grad_bias: Tensor | None = None
 
 
-class Rows:
-    """The rows a chunk covers: ``[start, stop)`` of every row, or of the kept rows' index."""
-
-    def __init__(self, start: int, stop: int, kept: Tensor | None) -> None:
-        self.start, self.stop = start, stop
-        self.index = None if kept is None else kept[start:stop]
-
-    def take(self, t: Tensor) -> Tensor:
-        return t[self.start : self.stop] if self.index is None else t.index_select(0, self.index)
-
-    def put(self, dst: Tensor, values: Tensor) -> None:
-        if self.index is None:
-            dst[self.start : self.stop] = values
-        else:
-            dst.index_copy_(0, self.index, values.to(dst.dtype))
-
-
 @dataclass(frozen=True)
 class ChunkMath:
     """What a backend (or a pass of the vocabulary-parallel op) does per chunk.
@@ -114,7 +98,7 @@ def torch_row_bytes(
 
 
 def side_chunk(
-    rows: Rows, side: Side, side_opts: SideOptions, final: FinalLogits, want_slope: bool = False
+    rows: Chunk, side: Side, side_opts: SideOptions, final: FinalLogits, want_slope: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One side's hidden rows of the chunk as the GEMMs read them, and ``final`` of their fp32
     logits, passed on without a reference kept (``side_log_probs``, or a shard's
@@ -126,7 +110,7 @@ def side_chunk(
 
 
 def _torch_step(
-    rows: Rows, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
+    rows: Chunk, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The PyTorch chunk: fp32 logits, straight into ``side_log_probs`` (which frees them as it
     goes), then ``distill_rows``."""
@@ -140,56 +124,36 @@ def _torch_step(
 TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
 
 
-class StudentGrads:
-    """The student's gradient buffers and what each chunk adds to them: grad_h in the hidden
-    states' dtype, grad_W summed in fp32 when the GEMMs run in fp32 (else in the weight's dtype,
-    the first chunk overwriting it), grad_b in fp32. With ``in_fp32`` every one is summed in fp32
-    from zeros: a vocabulary shard's, whose grad_h is summed over the group before it is rounded.
-    ``kept``: the rows the chunks walk (``None``: every row); rows skipped get zeros."""
+def student_grads(
+    student: Head, ws: Tensor, needs: tuple[bool, bool, bool], kept: Tensor | None, *, in_fp32: bool = False
+) -> GradSums:
+    """The student's gradient buffers: grad_h in the hidden states' dtype, grad_W summed in fp32
+    when the GEMMs run in fp32 (else in the weight's dtype, the first chunk overwriting it), grad_b
+    in fp32. With ``in_fp32`` every one is summed in fp32 from zeros: a vocabulary shard's, whose
+    grad_h is summed over the group before it is rounded. ``kept``: the rows the chunks walk
+    (``None``: every row); rows skipped get zeros."""
+    device = student.hidden.device
+    total = student.hidden.shape[0] if kept is None else kept.shape[0]
+    overwrite_first = not in_fp32
+    grad_hidden = grad_sum = grad_bias = None
+    if needs[0]:  # skipped rows read as ignored ones: zeros
+        new = torch.empty if kept is None else torch.zeros
+        dtype = _F32 if in_fp32 else student.hidden.dtype
+        grad_hidden = new(student.hidden.shape, dtype=dtype, device=device)
+    if needs[1]:  # no chunk to overwrite it: zeros
+        sum_dtype = _F32 if in_fp32 or ws.dtype == _F32 else student.weight.dtype
+        new = torch.empty if total and overwrite_first else torch.zeros
+        grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
+    if needs[2] and student.bias is not None:
+        grad_bias = torch.zeros(student.weight.shape[0], dtype=_F32, device=device)
+    return GradSums(grad_hidden, grad_sum, grad_bias, overwrite_first)
 
-    def __init__(
-        self,
-        student: Head,
-        ws: Tensor,
-        needs: tuple[bool, bool, bool],
-        kept: Tensor | None,
-        *,
-        in_fp32: bool = False,
-    ) -> None:
-        device = student.hidden.device
-        total = student.hidden.shape[0] if kept is None else kept.shape[0]
-        self.overwrites_first = not in_fp32
-        self.grad_hidden = self.grad_sum = self.grad_bias = None
-        if needs[0]:  # skipped rows read as ignored ones: zeros
-            new = torch.empty if kept is None else torch.zeros
-            dtype = _F32 if in_fp32 else student.hidden.dtype
-            self.grad_hidden = new(student.hidden.shape, dtype=dtype, device=device)
-        if needs[1]:  # no chunk to overwrite it: zeros
-            sum_dtype = _F32 if in_fp32 or ws.dtype == _F32 else student.weight.dtype
-            new = torch.empty if total and self.overwrites_first else torch.zeros
-            self.grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
-        if needs[2] and student.bias is not None:
-            self.grad_bias = torch.zeros(student.weight.shape[0], dtype=_F32, device=device)
 
-    def add(self, rows: Rows, g: Tensor, hs: Tensor, ws: Tensor) -> None:
-        """One chunk's share, from its gradient ``g`` with respect to the raw logits."""
-        g_gemm = g.to(ws.dtype)
-        if self.grad_hidden is not None:
-            if rows.index is None:
-                mm_into(self.grad_hidden[rows.start : rows.stop], g_gemm, ws)
-            else:
-                rows.put(self.grad_hidden, g_gemm @ ws)
-        if self.grad_sum is not None:
-            first = self.overwrites_first and rows.start == 0
-            accumulate_grad_weight(self.grad_sum, g_gemm, hs, first=first)
-        if self.grad_bias is not None:
-            self.grad_bias += g.sum(dim=0, dtype=_F32)
-
-    def finish(self, student: Head) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """grad_h, grad_W and grad_b (``None`` where not asked for) in their inputs' dtypes."""
-        sums = (self.grad_hidden, self.grad_sum, self.grad_bias)
-        inputs = (student.hidden, student.weight, student.bias)
-        return tuple(None if g is None else g.to(t.dtype) for g, t in zip(sums, inputs, strict=True))
+def finished_grads(sums: GradSums, student: Head) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """grad_h, grad_W and grad_b (``None`` where not asked for) in their inputs' dtypes."""
+    inputs = (student.hidden, student.weight, student.bias)
+    summed = (sums.hidden, sums.weight, sums.bias)
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(summed, inputs, strict=True))
 
 
 def distill_chunk_rows(
@@ -221,7 +185,7 @@ def walk_chunks(
     coef: Tensor | None,
     budget_bytes: int,
     values: Tensor | None = None,
-    grads: StudentGrads | None = None,
+    grads: GradSums | None = None,
 ) -> None:
     """The one chunk loop: ``math.step`` over the rows (every row, or the kept ones ``kept``
     lists) in chunks within ``budget_bytes``, each chunk's per-row values put in its rows of
@@ -231,8 +195,7 @@ def walk_chunks(
     step = distill_chunk_rows(
         math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=budget_bytes
     )
-    for start in range(0, total, step):
-        rows = Rows(start, min(start + step, total), kept)
+    for rows in chunks(labels.shape[0], kept, step):
         row_values, g, hs = math.step(rows, student, teacher, labels, coef, opts)
         if values is not None:
             rows.put(values, row_values)
@@ -262,7 +225,7 @@ def run_distill(
     s, t = Side.of(student), Side.of(teacher)
     want = coef is not None and any(needs)
     res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))
-    grads = StudentGrads(student, s.w, needs, kept) if want else None
+    grads = student_grads(student, s.w, needs, kept) if want else None
     walk_chunks(
         math,
         s,
@@ -276,5 +239,5 @@ def run_distill(
         grads=grads,
     )
     if grads is not None:
-        res.grad_hidden, res.grad_weight, res.grad_bias = grads.finish(student)
+        res.grad_hidden, res.grad_weight, res.grad_bias = finished_grads(grads, student)
     return res

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from liger_patch.ops.core.backends import Backend, FusedLogits
 from liger_patch.ops.core.gemm import chunk_logits, grad_view
-from liger_patch.ops.distillation.chunks import Rows, Side, side_chunk, torch_row_bytes
+from liger_patch.ops.core.walked_rows import Chunk
+from liger_patch.ops.distillation.chunks import Side, side_chunk, torch_row_bytes
 from liger_patch.ops.distillation.options import DistillOptions
 from liger_patch.ops.distillation.rows import (
     shard_cross_entropy_grad,
@@ -65,7 +66,7 @@ class _TorchMath:
     name = "torch"
 
     @staticmethod
-    def open(rows: Rows, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool) -> ShardChunk:
+    def open(rows: Chunk, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool) -> ShardChunk:
         hs, a_s, slope = side_chunk(rows, student, opts.student, side_logits, want_grad)
         a_t = side_chunk(rows, teacher, opts.teacher, side_logits)[1]
         return ShardChunk(hs, a_s, a_t, slope)
@@ -124,7 +125,7 @@ class TritonMath:
         return None if opts.ce_weight else fused_logits_for(self.backend, opts)
 
     def open(
-        self, rows: Rows, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool
+        self, rows: Chunk, student: Side, teacher: Side, opts: DistillOptions, want_grad: bool
     ) -> ShardChunk:
         hs = rows.take(student.hidden).to(student.w.dtype)
         ht = rows.take(teacher.hidden).to(teacher.w.dtype)

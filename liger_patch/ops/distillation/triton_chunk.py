@@ -28,7 +28,8 @@ from liger_patch.ops.core import head_start
 from liger_patch.ops.core.backends import Backend, FusedLogits
 from liger_patch.ops.core.budget import chunk_rows
 from liger_patch.ops.core.gemm import chunk_logits, grad_view
-from liger_patch.ops.distillation.chunks import ChunkMath, Rows, Side
+from liger_patch.ops.core.walked_rows import Chunk
+from liger_patch.ops.distillation.chunks import ChunkMath, Side
 from liger_patch.ops.distillation.options import DistillOptions
 from liger_patch.ops.distillation.triton.rows import distill_rows_triton
 
@@ -43,7 +44,7 @@ def fused_logits_for(backend: Backend, opts: DistillOptions) -> FusedLogits | No
 
 def _step(
     backend: Backend,
-    rows: Rows,
+    rows: Chunk,
     student: Side,
     teacher: Side,
     labels: Tensor,

@@ -50,6 +50,7 @@ from torch.autograd.function import once_differentiable
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.forward_grads import grads_in_forward
+from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.core.vocab_shard import (
     VocabShard,
@@ -57,7 +58,15 @@ from liger_patch.ops.core.vocab_shard import (
     check_ranks_agree,
     check_shard_tensors,
 )
-from liger_patch.ops.distillation.chunks import ChunkMath, Head, Rows, Side, StudentGrads, walk_chunks
+from liger_patch.ops.core.walked_rows import Chunk
+from liger_patch.ops.distillation.chunks import (
+    ChunkMath,
+    Head,
+    Side,
+    finished_grads,
+    student_grads,
+    walk_chunks,
+)
 from liger_patch.ops.distillation.functional import flat_operands
 from liger_patch.ops.distillation.options import (
     DistillOptions,
@@ -109,7 +118,7 @@ class _ShardChunks:
         step: Callable[..., tuple],
         values: Tensor | None = None,
         coef: Tensor | None = None,
-        grads: StudentGrads | None = None,
+        grads: GradSums | None = None,
     ) -> None:
         """One pass of ``step`` over the chunks, the same chunks on every rank (a shard without
         columns walks them too: the forward's step runs collectives), as large as the row math's
@@ -160,7 +169,7 @@ def _no_columns_stats(n: int, opts: DistillOptions, device: torch.device) -> Ten
 def _forward_step(
     shard: VocabShard,
     math: Any,
-    rows: Rows,
+    rows: Chunk,
     student: Side,
     teacher: Side,
     labels: Tensor,
@@ -209,7 +218,7 @@ def _grad_step(
     shard: VocabShard,
     math: Any,
     values: Tensor,
-    rows: Rows,
+    rows: Chunk,
     student: Side,
     teacher: Side,
     labels: Tensor,
@@ -237,11 +246,11 @@ def _walk_grads(chunks: _ShardChunks, student: Head, needs: tuple, step: Callabl
     """A pass that sums the student's gradients: this rank's part of grad_h, summed over the
     group (one all-reduce, as the unpatched tensor-parallel head does), and its shard's grad_W and
     grad_b (complete); ``None`` where not asked for, else in the inputs' dtypes."""
-    grads = StudentGrads(student, chunks.student.w, needs, chunks.kept, in_fp32=True)
+    grads = student_grads(student, chunks.student.w, needs, chunks.kept, in_fp32=True)
     chunks.walk(step, grads=grads, **walk)
-    if grads.grad_hidden is not None:
-        dist.all_reduce(grads.grad_hidden, group=chunks.shard.group)
-    return grads.finish(student)
+    if grads.hidden is not None:
+        dist.all_reduce(grads.hidden, group=chunks.shard.group)
+    return finished_grads(grads, student)
 
 
 class _VocabParallelDistill(torch.autograd.Function):
