@@ -1,5 +1,6 @@
 """A head's final logits: z = softcap(s * x) of its raw logits x = W h + b, and what the losses'
-gradients need of that map (docs/loss.md, docs/distillation.md).
+gradients need of that map, d z / d x (docs/loss.md, docs/distillation.md): one statement for the
+cross-entropy's and the distillation's PyTorch row math.
 
 Every loss describes its heads' logits with options that have ``logit_scale`` (s, ``None``: 1),
 ``softcap`` (c, ``None``: none), ``label_smoothing`` (whether the fused logits GEMM also sums z
@@ -41,6 +42,25 @@ def final_logits(logits: torch.Tensor, opts: LogitsOptions) -> tuple[torch.Tenso
         return x, None
     u = x / opts.softcap
     return opts.softcap * torch.tanh(u), u
+
+
+def softcap_slope_(u: torch.Tensor) -> torch.Tensor:
+    """d tanh(u) / du = 1 - tanh(u)^2 for ``final_logits``' u, in u's buffer, as 4e / (1 + e)^2
+    with e = exp(-2|u|): no cancellation once tanh saturates (as the Triton kernels write it)."""
+    e = u.abs_().mul_(-2.0).exp_()
+    denominator = (e + 1.0).square_()
+    return e.mul_(4.0).div_(denominator)
+
+
+def to_raw_logits_(g: torch.Tensor, slope: torch.Tensor | None, opts: LogitsOptions) -> torch.Tensor:
+    """A gradient with respect to the final logits z = softcap(s x), made one with respect to the
+    raw logits x in place: times the softcap's ``slope`` (``softcap_slope_``; ``None`` without a
+    softcap), then times s."""
+    if slope is not None:
+        g.mul_(slope)
+    if opts.logit_scale is not None:
+        g.mul_(opts.scale)
+    return g
 
 
 def temperature_options(temperature: float, logit_scale: float | None, softcap: float | None) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liger_patch.ops.core.final_logits import final_logits
+from liger_patch.ops.core.final_logits import final_logits, softcap_slope_, to_raw_logits_
 from liger_patch.ops.core.validation import check_column_block, check_row_records
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
@@ -213,13 +213,8 @@ def _grad(
         # d H / dz_j = p_j (sum_k p_k z_k - z_j) = p_j (lse - z_j - H)
         shift = (lse - entropy_grad.entropy).unsqueeze(-1)
         g += entropy_grad.coef.unsqueeze(-1) * p * (shift - z)
-    if block.u is not None:
-        # 1 - tanh(u)^2 as 4e / (1 + e)^2, e = exp(-2|u|): no cancellation once tanh saturates.
-        e = torch.exp(-2.0 * block.u.abs())
-        g *= 4.0 * e / (1.0 + e).square()
-    if opts.logit_scale is not None:
-        g *= opts.scale
-    return torch.where(block.keep.unsqueeze(-1), g, 0.0)
+    slope = None if block.u is None else softcap_slope_(block.u)  # u is not read again
+    return torch.where(block.keep.unsqueeze(-1), to_raw_logits_(g, slope, opts), 0.0)
 
 
 def z_loss_rows(

@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core.final_logits import final_logits
+from liger_patch.ops.core.final_logits import final_logits, softcap_slope_, to_raw_logits_
 from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 
 ROW_BUFFERS = 7
@@ -126,23 +126,6 @@ def _cross_entropy(
     return ce, g.mul_(temperature)
 
 
-def _softcap_slope_(u: Tensor) -> Tensor:
-    """d tanh(u) / du = 1 - tanh(u)^2, in u's buffer, as 4e / (1 + e)^2 with e = exp(-2|u|): no
-    cancellation once tanh saturates (as the cross-entropy's row kernel writes it)."""
-    e = u.abs_().mul_(-2.0).exp_()
-    denominator = (e + 1.0).square_()
-    return e.mul_(4.0).div_(denominator)
-
-
-def _to_raw_logits_(g: Tensor, slope: Tensor | None, side: SideOptions) -> Tensor:
-    """d/da -> d/dx for a = softcap(s' x) with the side's (temperature-folded) scale s'."""
-    if slope is not None:
-        g.mul_(slope)
-    if side.logit_scale is not None:
-        g.mul_(side.scale)
-    return g
-
-
 @torch.no_grad()
 def side_log_probs(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
     """log_softmax(a) of a side's (rows, V) raw logits ``x``, a = its final logits at the
@@ -151,7 +134,7 @@ def side_log_probs(x: Tensor, side: SideOptions, want_slope: bool = False) -> tu
     without keeping a reference, and its buffer is freed (or reused) as soon as it can be."""
     z, u = final_logits(x, side)
     del x
-    slope = _softcap_slope_(u) if want_slope and u is not None else None
+    slope = softcap_slope_(u) if want_slope and u is not None else None
     del u
     return _log_softmax_(z), slope
 
@@ -184,7 +167,7 @@ def distill_rows(
         g.mul_(1.0 - w).add_(g_ce, alpha=w)
     del g_ce
     g.mul_(coef.unsqueeze(-1))
-    return loss, _to_raw_logits_(g, slope, opts.student)
+    return loss, to_raw_logits_(g, slope, opts.student)
 
 
 # --- a vocabulary shard's columns -------------------------------------------------------------
@@ -200,7 +183,7 @@ def side_logits(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple
     (``None`` without a softcap); ``x`` may be consumed, as for :func:`side_log_probs`."""
     z, u = final_logits(x, side)
     del x
-    return z, _softcap_slope_(u) if want_slope and u is not None else None
+    return z, softcap_slope_(u) if want_slope and u is not None else None
 
 
 @torch.no_grad()
@@ -274,4 +257,4 @@ def shard_divergence_grad(
     if w:
         g.mul_(1.0 - w).add_(g_ce, alpha=w)
     g.mul_(coef.unsqueeze(-1))
-    return _to_raw_logits_(g, slope, opts.student)
+    return to_raw_logits_(g, slope, opts.student)
