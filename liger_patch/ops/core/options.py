@@ -1,15 +1,22 @@
-"""What the options of every loss share: the names of the reductions and backends, how a number
-is read, the logits' dtype rule, and the encoding of option values as constants of a compiled
-graph (``constant_changes``, ``from_constant``).
+"""What the options of every loss share: the names of the reductions and backends, the checks of
+a value (``option_float``, ``check_shared``, ...), and how options travel: as one string into a
+registered operator (``options_key``, ``options_from_key``), as constants into a compiled graph
+(``constant_changes``, ``from_constant``, ``compile_constant``), built once per distinct call
+(``cached_build``), and listed in an entry point's signature and docstring.
 
-The cross-entropy's ``LossOptions`` and the distillation's ``DistillOptions`` both check their
-values with these and travel into their registered operators the same way.
+The cross-entropy's ``LossOptions`` and the distillation's ``DistillOptions`` are both frozen
+dataclasses of options, checked on construction with these, and travel the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import json
 import math
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -21,6 +28,8 @@ Reduction = Literal["mean", "sum", "none"]
 BackendName = Literal["auto", "triton", "torch"]
 REDUCTIONS = ("mean", "sum", "none")
 BACKEND_NAMES = ("auto", "triton", "torch")
+
+T = TypeVar("T")
 
 
 def option_float(name: str, value: object) -> float:
@@ -128,3 +137,78 @@ def from_constant(name: str, value: Any) -> Any:
     if value.startswith(_HEX_FLOAT):
         return float.fromhex(value.removeprefix(_HEX_FLOAT))
     return value
+
+
+def compile_constant(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (torch 2.0 onwards):
+    under ``torch.compile`` a call runs once while tracing and its result is a constant of the
+    graph. (The decorator itself imports torch._dynamo, ~1 s of ``import liger_patch``.)"""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def options_key(opts: Any) -> str:
+    """Every field of the options dataclass ``opts`` as one JSON string (the tuning by its key, the
+    logits' dtype by its name): how options reach a registered operator, which takes strings."""
+    values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    values["tuning"] = opts.tuning.key
+    if opts.logits_dtype is not None:
+        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
+    return json.dumps(values, sort_keys=True)
+
+
+def options_from_key(cls: type[T], key: str) -> T:
+    """The options of class ``cls`` that ``options_key`` made ``key`` from."""
+    values = json.loads(key)
+    values["tuning"] = Tuning.from_key(values["tuning"])
+    dtype = values["logits_dtype"]
+    values["logits_dtype"] = None if dtype is None else getattr(torch, dtype)
+    return cls(**values)
+
+
+def refuse_unknown(given: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    """Raise ``TypeError`` naming ``where``, the unknown names and the options, for a name of
+    ``given`` that is not one of ``names``."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {list(names)}")
+
+
+def cached_build(build: Callable[..., T]) -> Callable[..., T]:
+    """``build(*args, changes)`` (``changes`` a dict of options) remembered for its arguments, so
+    that a call repeated with the same options builds nothing; built anew when a value cannot be
+    hashed (and refused there if it is wrong)."""
+
+    @functools.lru_cache(maxsize=256)
+    def cached(*args_and_items: Any) -> T:
+        *args, items = args_and_items
+        return build(*args, dict(items))
+
+    def call(*args: Any, changes: dict[str, Any]) -> T:
+        try:
+            return cached(*args, tuple(sorted(changes.items())))
+        except TypeError as exc:
+            if "unhashable" not in str(exc):
+                raise
+            return build(*args, changes)
+
+    return call
+
+
+def keyword_parameters(cls: type, exclude: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """Keyword-only parameters, one per field of the options dataclass ``cls`` (defaults and
+    annotations from the fields), for the ``__signature__`` of an entry point that takes
+    ``**options``: ``help()``, IDEs and ``inspect.signature`` then list every option."""
+    return [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(cls)
+        if f.name not in exclude
+    ]
+
+
+def docstring_lines(
+    docs: dict[str, str], names: tuple[str, ...], exclude: tuple[str, ...] = (), indent: str = "        "
+) -> str:
+    """``name: meaning`` lines of the options ``names`` (meanings from ``docs``), for an entry
+    point's docstring."""
+    return "\n".join(f"{indent}{name}: {docs[name]}" for name in names if name not in exclude)

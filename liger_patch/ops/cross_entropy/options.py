@@ -17,7 +17,6 @@ import dataclasses
 import enum
 import functools
 import inspect
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +26,18 @@ import torch
 from liger_patch.ops.core.options import (
     BackendName,
     Reduction,
+    cached_build,
     check_shared,
+    compile_constant,
+    docstring_lines,
     from_constant,
+    keyword_parameters,
     option_float,
     optional_nonzero,
     optional_positive,
+    options_from_key,
+    options_key,
+    refuse_unknown,
     unit_interval,
 )
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
@@ -80,18 +86,13 @@ class LossOptions:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
         # Every option as one string (not a field): how the registered operator carries them.
-        object.__setattr__(self, "key", _key(self))
+        object.__setattr__(self, "key", options_key(self))
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
     def from_key(key: str) -> LossOptions:
         """The options ``key`` was made from (``LossOptions(...).key``)."""
-        values = json.loads(key)
-        tuning = Tuning.from_key(values.pop("tuning"))
-        dtype = values.pop("logits_dtype")
-        return LossOptions(
-            **values, tuning=tuning, logits_dtype=None if dtype is None else getattr(torch, dtype)
-        )
+        return options_from_key(LossOptions, key)
 
     @property
     def scale(self) -> float:
@@ -101,12 +102,12 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, where: str = "fused_linear_cross_entropy", **kwargs: Any) -> LossOptions:
         """``LossOptions(**kwargs)``, with an unknown name refused by a message that lists the options."""
-        _refuse_unknown(kwargs, where)
+        refuse_unknown(kwargs, OPTION_NAMES, where)
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> LossOptions:
         """A copy with ``changes`` applied and checked."""
-        _refuse_unknown(changes, "LossOptions.replace")
+        refuse_unknown(changes, OPTION_NAMES, "LossOptions.replace")
         return dataclasses.replace(self, **changes) if changes else self
 
     def changed(self) -> dict[str, Any]:
@@ -147,20 +148,6 @@ def option_defaults(*kinds: OptionKind) -> dict[str, Any]:
 
 LOSS_OPTIONS = options_of_kind(OptionKind.LOSS)
 OUTPUT_OPTIONS = options_of_kind(OptionKind.OUTPUT)
-
-
-def _key(opts: LossOptions) -> str:
-    values = {name: getattr(opts, name) for name in OPTION_NAMES}
-    values["tuning"] = opts.tuning.key
-    if opts.logits_dtype is not None:
-        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
-    return json.dumps(values, sort_keys=True)
-
-
-def _refuse_unknown(kwargs: dict[str, Any], where: str) -> None:
-    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
-    if unknown:
-        raise TypeError(f"{where} got unknown option(s) {unknown}; the options are {list(OPTION_NAMES)}")
 
 
 OPTION_DOCS = {
@@ -216,6 +203,7 @@ FLAG_NAMES = tuple(f.name for f in dataclasses.fields(LossOptions) if isinstance
 DEFAULT_OPTIONS = LossOptions()
 
 
+@compile_constant
 def build_options(base_key: str, where: str = "LossOptions.replace", **changes: Any) -> LossOptions:
     """The options of ``base_key`` (a ``LossOptions.key``) with ``changes`` applied and checked
     (an unknown name refused, naming ``where``); cached, so a call repeated with the same
@@ -224,40 +212,23 @@ def build_options(base_key: str, where: str = "LossOptions.replace", **changes: 
     Under ``torch.compile`` this runs once while tracing and its result is a constant of the
     graph. It takes the base options as their key: a string stays a constant where the numbers
     inside an options object held by a compiled module would be traced as symbols."""
-    try:
-        return _build_cached(base_key, where, tuple(sorted(changes.items())))
-    except TypeError:  # an unhashable value: built uncached (and refused there if it is wrong)
-        return _build(base_key, where, changes)
+    return _build(base_key, where, changes=changes)
 
 
-@functools.lru_cache(maxsize=256)
-def _build_cached(base_key: str, where: str, changes: tuple) -> LossOptions:
-    return _build(base_key, where, dict(changes))
-
-
+@cached_build
 def _build(base_key: str, where: str, changes: dict[str, Any]) -> LossOptions:
-    _refuse_unknown(changes, where)
+    refuse_unknown(changes, OPTION_NAMES, where)
     changes = {name: from_constant(name, value) for name, value in changes.items()}
     base = LossOptions.from_key(base_key)
     return dataclasses.replace(base, **changes) if changes else base
 
 
-# What ``torch.compiler.assume_constant_result`` sets (torch 2.0 onwards); the decorator itself
-# imports torch._dynamo, which would add ~1 s to ``import liger_patch``.
-build_options._dynamo_marked_constant = True
-
-
 def options_parameters(exclude: tuple[str, ...] = ()) -> list[inspect.Parameter]:
-    """Keyword-only parameters, one per option (defaults and annotations from the fields), for
-    the ``__signature__`` of an entry point that takes ``**options``: ``help()``, IDEs and
-    ``inspect.signature`` then list every option."""
-    return [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(LossOptions)
-        if f.name not in exclude
-    ]
+    """Keyword-only parameters, one per option, for the ``__signature__`` of an entry point that
+    takes ``**options`` (``core.options.keyword_parameters``)."""
+    return keyword_parameters(LossOptions, exclude)
 
 
 def options_docstring(exclude: tuple[str, ...] = (), indent: str = "        ") -> str:
     """``name: meaning`` lines of the options, for an entry point's docstring."""
-    return "\n".join(f"{indent}{name}: {OPTION_DOCS[name]}" for name in OPTION_NAMES if name not in exclude)
+    return docstring_lines(OPTION_DOCS, OPTION_NAMES, exclude, indent)

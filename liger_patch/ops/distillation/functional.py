@@ -15,15 +15,15 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.options import constant_changes, keyword_parameters
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
 from liger_patch.ops.distillation import operator  # noqa: F401  (registers the operators)
 from liger_patch.ops.distillation.options import (
-    DISTILL_OPTION_DOCS,
     DISTILL_OPTION_NAMES,
     DistillOptions,
-    as_constants,
     build_distill_options,
-    options_from_key,
+    distill_options_docstring,
+    distill_options_from_key,
 )
 
 NumItems = int | float | Tensor | None
@@ -150,7 +150,7 @@ def fused_linear_distillation(
     it as one node. There is no second derivative (``create_graph=True`` is refused).
     """
     opts = build_distill_options(
-        **as_constants(
+        **constant_changes(
             dict(
                 beta=beta,
                 temperature=temperature,
@@ -172,12 +172,8 @@ def fused_linear_distillation(
     return _distill(student, (teacher_hidden, teacher_weight, teacher_bias), labels, opts, num_items_in_batch)
 
 
-def _options_docstring(indent: str = "        ") -> str:
-    return "\n".join(f"{indent}{name}: {DISTILL_OPTION_DOCS[name]}" for name in DISTILL_OPTION_NAMES)
-
-
 fused_linear_distillation.__doc__ = fused_linear_distillation.__doc__.replace(
-    "        <OPTIONS>", _options_docstring()
+    "        <OPTIONS>", distill_options_docstring()
 )
 
 
@@ -209,7 +205,7 @@ class FusedLinearDistillationLoss(torch.nn.Module):
     ) -> Tensor:
         if num_items_in_batch is None:
             num_items_in_batch = self.num_items_in_batch
-        options = options_from_key(self.options.key)  # a constant under torch.compile
+        options = distill_options_from_key(self.options.key)  # a constant under torch.compile
         student = (student_hidden, student_weight, student_bias)
         teacher = (teacher_hidden, teacher_weight, teacher_bias)
         return _distill(student, teacher, labels, options, num_items_in_batch)
@@ -227,9 +223,6 @@ FusedLinearDistillationLoss.__init__.__signature__ = inspect.Signature(
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         inspect.Parameter("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY, default=None),
-        *(
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DistillOptions(), name))
-            for name in DISTILL_OPTION_NAMES
-        ),
+        *keyword_parameters(DistillOptions),
     ]
 )

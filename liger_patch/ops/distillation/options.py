@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +21,18 @@ from liger_patch.ops.core.final_logits import temperature_options
 from liger_patch.ops.core.options import (
     BackendName,
     Reduction,
+    cached_build,
     check_logits_dtype,
     check_shared,
-    constant_changes,
+    compile_constant,
+    docstring_lines,
     from_constant,
     option_float,
     optional_nonzero,
     optional_positive,
+    options_from_key,
+    options_key,
+    refuse_unknown,
     unit_interval,
 )
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
@@ -79,7 +83,7 @@ class DistillOptions:
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "key", _key(self))
+        object.__setattr__(self, "key", options_key(self))
         object.__setattr__(self, "student", self._side(self.student_softcap, self.student_logit_scale))
         object.__setattr__(self, "teacher", self._side(self.teacher_softcap, self.teacher_logit_scale))
 
@@ -90,25 +94,11 @@ class DistillOptions:
     @functools.lru_cache(maxsize=256)
     def from_key(key: str) -> DistillOptions:
         """The options ``key`` was made from (``DistillOptions(...).key``)."""
-        values = json.loads(key)
-        dtype = values.pop("logits_dtype")
-        tuning = Tuning.from_key(values.pop("tuning"))
-        return DistillOptions(
-            **values, tuning=tuning, logits_dtype=None if dtype is None else getattr(torch, dtype)
-        )
+        return options_from_key(DistillOptions, key)
 
     def logits_dtype_for(self, input_dtype: torch.dtype) -> torch.dtype:
         """The dtype a side's logits chunks are stored in: ``logits_dtype``, else its input's."""
         return self.logits_dtype or input_dtype
-
-
-def _key(opts: DistillOptions) -> str:
-    """Every option as one JSON string (the dtype by its name, the tuning by its key)."""
-    values = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-    values["tuning"] = opts.tuning.key
-    if opts.logits_dtype is not None:
-        values["logits_dtype"] = str(opts.logits_dtype).removeprefix("torch.")
-    return json.dumps(values, sort_keys=True)
 
 
 def check_logits_dtypes(opts: DistillOptions, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> None:
@@ -169,45 +159,26 @@ def _checked(opts: DistillOptions) -> dict[str, Any]:
     )
 
 
-def as_constants(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` as values ``torch.compile`` passes to ``build_distill_options`` as constants on
-    every torch version: the cross-entropy op's encoding (``options.constant_changes``: a float as
-    its exact hex string, a ``Tuning`` as its key, which torch 2.11's dynamo needs)."""
-    return constant_changes(options)
-
-
+@compile_constant
 def build_distill_options(where: str = "fused_linear_distillation", **options: Any) -> DistillOptions:
-    """``DistillOptions(**options)`` (floats possibly given by ``as_constants``), an unknown name
-    refused with the list of options, naming ``where``; cached, so a call repeated with the same
-    options builds nothing, and a constant of the graph under ``torch.compile``."""
-    unknown = sorted(set(options) - set(DISTILL_OPTION_NAMES))
-    if unknown:
-        raise TypeError(
-            f"{where} got unknown option(s) {unknown}; the options are {list(DISTILL_OPTION_NAMES)}"
-        )
-    try:
-        return _build_cached(tuple(sorted(options.items())))
-    except TypeError as exc:  # an unhashable value: built uncached (and refused there if it is wrong)
-        if "unhashable" not in str(exc):
-            raise
-        return _build(options)
+    """``DistillOptions(**options)`` (floats possibly encoded by ``core.options.constant_changes``),
+    an unknown name refused with the list of options, naming ``where``; cached, so a call repeated
+    with the same options builds nothing, and a constant of the graph under ``torch.compile``."""
+    refuse_unknown(options, DISTILL_OPTION_NAMES, where)
+    return _build(changes=options)
 
 
-@functools.lru_cache(maxsize=256)
-def _build_cached(items: tuple) -> DistillOptions:
-    return _build(dict(items))
+@cached_build
+def _build(changes: dict[str, Any]) -> DistillOptions:
+    return DistillOptions(**{name: from_constant(name, value) for name, value in changes.items()})
 
 
-def _build(options: dict[str, Any]) -> DistillOptions:
-    return DistillOptions(**{name: from_constant(name, value) for name, value in options.items()})
-
-
-def options_from_key(key: str) -> DistillOptions:
+@compile_constant
+def distill_options_from_key(key: str) -> DistillOptions:
     """``DistillOptions.from_key``, a constant under ``torch.compile`` (for the Module's options)."""
     return DistillOptions.from_key(key)
 
 
-# As ``options.build_options``: what ``torch.compiler.assume_constant_result`` sets, without
-# importing torch._dynamo.
-build_distill_options._dynamo_marked_constant = True
-options_from_key._dynamo_marked_constant = True
+def distill_options_docstring(indent: str = "        ") -> str:
+    """``name: meaning`` lines of the options, for an entry point's docstring."""
+    return docstring_lines(DISTILL_OPTION_DOCS, DISTILL_OPTION_NAMES, indent=indent)

@@ -30,10 +30,11 @@ from op_helpers import BACKENDS, IGNORE_PATTERNS, TOL, assert_close, examples
 
 import liger_patch as lp
 from liger_patch.ops.core.budget import PER_TOKEN_BYTES, SLACK_BYTES
+from liger_patch.ops.core.options import constant_changes
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.distillation import chunks as distillation_chunks
 from liger_patch.ops.distillation import triton_chunk as distillation_triton
-from liger_patch.ops.distillation.options import DistillOptions, as_constants, build_distill_options
+from liger_patch.ops.distillation.options import DistillOptions, build_distill_options
 from tests.ops.distillation.cases import (
     BETAS,
     HS,
@@ -501,7 +502,7 @@ def test_options_reach_the_graph_as_plain_constants():
     compiled call failed on a GPU with torch 2.11 while the Tuning went as itself)."""
     tuning = Tuning(chunk_rows=7)
     given = dict(beta=0.5, temperature=0.3, tuning=tuning, reduction="sum")
-    encoded = as_constants(given)
+    encoded = constant_changes(given)
     assert all(isinstance(value, str) for value in encoded.values())
     assert build_distill_options(**encoded) == build_distill_options(**given)
     assert build_distill_options(**encoded).tuning == tuning
