@@ -1,13 +1,17 @@
-"""Gradients computed in the forward, and the registered operator that scales them in the backward.
+"""Gradients computed in the forward, held by the autograd node, and scaled in the backward.
 
 With reduction "mean" or "sum" a loss's upstream gradient is one scalar, so a forward may compute
 its inputs' gradients at scale 1 while each chunk is hot and leave the backward only to multiply
-them by that scalar (``grads_in_forward`` says when). ``liger_patch::scale_grads_`` does that
-multiplication in place, on the backend the call ran (the Triton kernel reads the scalar on the
-device and does nothing when it is 1): both losses' backward call it.
+them by that scalar (``grads_in_forward`` says when). The node holds them (``ForwardGrads``, not
+saved tensors: the backward scales them in place, which a retained graph's version check would
+refuse) and hands them over once; ``liger_patch::scale_grads_`` does the multiplication in place
+on the backend the call ran (the Triton kernel reads the scalar on the device and does nothing
+when it is 1). Every operator of both losses that computes gradients in its forward uses these.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,3 +39,38 @@ def scale_grads_(grads: list[Tensor], scale: Tensor, backend: str) -> None:
 @scale_grads_.register_fake
 def _scale_grads_fake(grads, scale, backend) -> None:
     return None
+
+
+@dataclass
+class ForwardGrads:
+    """The gradients a forward computed at scale 1 (``None`` where not asked for), held by its
+    autograd node until the backward takes them (``scaled``), once; ``spent`` after that."""
+
+    grads: tuple[Tensor | None, ...] | None
+    backend: str
+    spent: bool = False
+
+    @classmethod
+    def held(cls, grads: tuple[Tensor | None, ...], needs: list[bool], backend: str) -> ForwardGrads:
+        """The gradients of ``grads`` that ``needs`` asks for (the others are dropped), to be
+        scaled with ``backend``'s kernel."""
+        return cls(tuple(g if need else None for g, need in zip(grads, needs, strict=True)), backend)
+
+    def scaled(self, grad_loss: Tensor | None) -> list[Tensor | None]:
+        """The held gradients multiplied in place by the upstream gradient ``grad_loss`` (0 when
+        ``None``: the loss was not used); they are the caller's from now on."""
+        grads, self.grads, self.spent = self.grads, None, True
+        present = [g for g in grads if g is not None]
+        if present:
+            scale = grad_loss if grad_loss is not None else torch.zeros((), device=present[0].device)
+            torch.ops.liger_patch.scale_grads_(present, scale.float(), self.backend)
+        return list(grads)
+
+
+def spent_error(op: str) -> RuntimeError:
+    """What a second backward over a retained graph gets from an op that computed its gradients in
+    the forward and kept nothing else."""
+    return RuntimeError(
+        f"{op} computed its gradients in the forward and kept nothing else; a second backward over a "
+        "retained graph needs reduction='none' (which recomputes them)"
+    )

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start
-from liger_patch.ops.core.forward_grads import grads_in_forward
+from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward
 from liger_patch.ops.core.kept_rows import checked_labels, start_label_check
 from liger_patch.ops.core.reduction import (
     counted_divisor,
@@ -363,11 +363,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(
         hidden, weight, bias, labels, class_weight, lse, row_weight, token_scale, entropy, u, b
     )
-    # Not saved tensors: the backward scales them in place, which a retained graph's version check
-    # would then refuse; a second backward recomputes instead (``precomputed`` is cleared).
-    ctx.precomputed = grads_in_forward(opts.reduction, hidden.dtype, needs)
-    ctx.pre = tuple(pre) if ctx.precomputed else None
     ctx.options, ctx.needs = options, [*needs[:3], *_low_rank_needs(needs)]
+    ctx.forward_grads = None  # a second backward recomputes, once the first took them
+    if grads_in_forward(opts.reduction, hidden.dtype, needs):
+        ctx.forward_grads = ForwardGrads.held(tuple(pre), ctx.needs, opts.backend)
     ctx.head_shapes = _shapes(weight, bias)
 
 
@@ -403,13 +402,9 @@ def _backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
     z_grad_matters = grad_z is not None and opts.z_loss_scale != 0.0
     # Whichever way this backward goes, the node holds the forward's gradients no longer (they
     # are scaled in place below, or not needed): a second backward recomputes.
-    pre, ctx.pre = ctx.pre, None
-    precomputed, ctx.precomputed = ctx.precomputed, False
-    if precomputed and not z_grad_matters and grad_entropy is None:
-        grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
-        scale = grad_loss if grad_loss is not None else torch.zeros((), device=hidden.device)
-        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), opts.backend)
-        return _input_grads(grads)
+    held, ctx.forward_grads = ctx.forward_grads, None
+    if held is not None and not z_grad_matters and grad_entropy is None:
+        return _input_grads(held.scaled(grad_loss))
 
     _check_head_whole(ctx, weight, bias)
     zero = torch.zeros((), dtype=_F32, device=hidden.device)

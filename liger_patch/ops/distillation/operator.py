@@ -28,7 +28,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start, validation
 from liger_patch.ops.core.backends import Backend, pick
-from liger_patch.ops.core.forward_grads import grads_in_forward
+from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights
@@ -235,18 +235,27 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(row_weight, grad_h, grad_w, grad_b)
     ctx.options, ctx.needs = options, needs
-    if grads_in_forward(DistillOptions.from_key(options).reduction, sh.dtype, needs):
-        # Not saved tensors: the backward scales them in place (a retained graph's version check
-        # would refuse that), and nothing else is kept.
-        ctx.pre = (grad_h, grad_w, grad_b)
+    opts = DistillOptions.from_key(options)
+    if grads_in_forward(opts.reduction, sh.dtype, needs):  # nothing else is kept
+        ctx.forward_grads = ForwardGrads.held((grad_h, grad_w, grad_b), needs, opts.backend)
         ctx.save_for_backward()
         return
-    ctx.pre = None
-    teacher = (th, tw, tb)
+    ctx.forward_grads = None
+    ctx.save_for_backward(sh, sw, sb, labels, row_weight, *hold_teacher(ctx, (th, tw, tb)))
+
+
+def hold_teacher(ctx, teacher: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor | None, ...]:
+    """The teacher's tensors for ``save_for_backward`` (they get no gradient; a recomputing
+    backward reads them again): inference tensors cannot be saved, so those are kept as an
+    attribute of ``ctx`` instead and ``None`` saved in their place (``held_teacher``)."""
     inference = [t is not None and t.is_inference() for t in teacher]
     ctx.teacher_inference = tuple(t if inf else None for t, inf in zip(teacher, inference, strict=True))
-    saved_teacher = (None if inf else t for t, inf in zip(teacher, inference, strict=True))
-    ctx.save_for_backward(sh, sw, sb, labels, row_weight, *saved_teacher)
+    return tuple(None if inf else t for t, inf in zip(teacher, inference, strict=True))
+
+
+def held_teacher(ctx, saved: list[Tensor | None]) -> tuple[Tensor | None, ...]:
+    """The teacher's tensors ``hold_teacher`` kept: the saved ones and the inference ones."""
+    return tuple(t if t is not None else inf for t, inf in zip(saved, ctx.teacher_inference, strict=True))
 
 
 def _backward(ctx, grad_loss, *_no_grads):
@@ -254,22 +263,15 @@ def _backward(ctx, grad_loss, *_no_grads):
         raise NotImplementedError(
             "fused_linear_distillation has no second derivative (backward with create_graph=True)"
         )
-    if ctx.pre is not None:
-        pre, ctx.pre, ctx.spent = ctx.pre, None, True
-        grads = [g if need else None for g, need in zip(pre, ctx.needs, strict=True)]
-        scale = grad_loss if grad_loss is not None else torch.zeros((), device=pre[0].device)
-        backend = DistillOptions.from_key(ctx.options).backend
-        torch.ops.liger_patch.scale_grads_([g for g in grads if g is not None], scale.float(), backend)
-        return (*grads, *_NO_INPUT_GRADS)
+    held = ctx.forward_grads
+    if held is not None and not held.spent:
+        return (*held.scaled(grad_loss), *_NO_INPUT_GRADS)
     if not any(ctx.needs):  # only a teacher tensor asked for a gradient: it gets none
         return (None,) * (3 + len(_NO_INPUT_GRADS))
-    if getattr(ctx, "spent", False):
-        raise RuntimeError(
-            "fused_linear_distillation computed its gradients in the forward and kept nothing else; a "
-            "second backward over a retained graph needs reduction='none' (which recomputes them)"
-        )
+    if held is not None:
+        raise spent_error("fused_linear_distillation")
     sh, sw, sb, labels, row_weight, *teacher = ctx.saved_tensors
-    th, tw, tb = (t if t is not None else inf for t, inf in zip(teacher, ctx.teacher_inference, strict=True))
+    th, tw, tb = held_teacher(ctx, teacher)
     coef = torch.zeros_like(row_weight) if grad_loss is None else grad_loss.float() * row_weight
     grads = torch.ops.liger_patch.fused_distill_backward(
         sh, sw, sb, th, tw, tb, labels, coef, ctx.options, ctx.needs

@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
-from liger_patch.ops.core.forward_grads import grads_in_forward
+from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.core.vocab_shard import (
@@ -68,6 +68,7 @@ from liger_patch.ops.distillation.chunks import (
     walk_chunks,
 )
 from liger_patch.ops.distillation.functional import flat_operands
+from liger_patch.ops.distillation.operator import held_teacher, hold_teacher
 from liger_patch.ops.distillation.options import (
     DistillOptions,
     build_distill_options,
@@ -271,43 +272,32 @@ class _VocabParallelDistill(torch.autograd.Function):
         with torch.autocast(sh.device.type, enabled=False):
             chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts, widest)
             step = functools.partial(_forward_step, shard, chunks.math)
+            ctx.forward_grads = None
             if precompute:
-                student = Head(sh, sw, sb)
-                ctx.pre = _walk_grads(chunks, student, needs, step, values=values, coef=row_weight)
+                grads = _walk_grads(chunks, Head(sh, sw, sb), needs, step, values=values, coef=row_weight)
+                ctx.forward_grads = ForwardGrads.held(grads, needs, opts.backend)
             else:
                 chunks.walk(step, values=values)
-                ctx.pre = None
         ctx.set_materialize_grads(False)
-        ctx.needs, ctx.backend = needs, opts.backend
+        ctx.needs = needs
         if precompute:  # nothing else kept: a second backward is refused
             return reduce_rows(values[:, 0].contiguous(), opts.reduction, divisor)
-        # The teacher's tensors get no gradient; inference tensors cannot be saved: kept as attributes.
-        teacher = (th, tw, tb)
-        inference = [t is not None and t.is_inference() for t in teacher]
-        ctx.teacher_inference = tuple(t if inf else None for t, inf in zip(teacher, inference, strict=True))
-        saved_teacher = (None if inf else t for t, inf in zip(teacher, inference, strict=True))
-        ctx.save_for_backward(sh, sw, sb, labels, row_weight, values, *saved_teacher)
+        ctx.save_for_backward(sh, sw, sb, labels, row_weight, values, *hold_teacher(ctx, (th, tw, tb)))
         ctx.kept, ctx.shard, ctx.opts, ctx.widest = kept, shard, opts, widest
         return reduce_rows(values[:, 0].contiguous(), opts.reduction, divisor)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        if ctx.pre is not None:
-            pre, ctx.pre, ctx.spent = ctx.pre, None, True
-            grads = [g for g in pre if g is not None]
-            scale = grad_loss if grad_loss is not None else torch.zeros((), device=grads[0].device)
-            torch.ops.liger_patch.scale_grads_(grads, scale.float(), ctx.backend)
-            return (*pre, *(None,) * 9)
-        if getattr(ctx, "spent", False):
-            raise RuntimeError(
-                "vocab_parallel_distillation computed its gradients in the forward and kept nothing else; a "
-                "second backward over a retained graph needs reduction='none' (which recomputes them)"
-            )
+        held = ctx.forward_grads
+        if held is not None and not held.spent:
+            return (*held.scaled(grad_loss), *(None,) * 9)
+        if held is not None:
+            raise spent_error("vocab_parallel_distillation")
         if not any(ctx.needs):
             return (None,) * 12
         sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
-        teacher = tuple(t if t is not None else i for t, i in zip(saved, ctx.teacher_inference, strict=True))
+        teacher = held_teacher(ctx, saved)
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
         opts = ctx.opts
         with torch.autocast(sh.device.type, enabled=False):
