@@ -29,12 +29,9 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward
-from liger_patch.ops.core.kept_rows import checked_labels, start_label_check
+from liger_patch.ops.core.kept_rows import NumItems, begin_label_check, finish_label_check
 from liger_patch.ops.core.reduction import (
-    counted_divisor,
-    loss_divisor,
     reduce_rows,
-    row_weights,
 )
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunks import ChunkResult, run_chunks, start_head
@@ -112,41 +109,28 @@ def flce(
     Outputs not asked for are empty. ``needs`` says which of hidden, weight, bias (u, B) want
     gradients."""
     opts = LossOptions.from_key(options)
-    labels = labels.long().contiguous()  # kernels index labels by row
     cw = class_weight_record(class_weight)
-    keep = labels != opts.ignore_index
-    cw_weights = None if cw is None else cw.weight
-    counted = counted_divisor(opts.reduction, cw_weights, num_items, num_items_value)
-    # A divisor that is the kept count is read in the label check's sync: no launches for it.
-    divisor = (
-        None
-        if counted
-        else loss_divisor(opts.reduction, keep, labels, cw_weights, num_items, num_items_value)
+    vocab = weight.shape[0]
+    class_weights = None if cw is None else cw.weight
+    pending = begin_label_check(
+        labels, vocab, opts.ignore_index, opts.reduction, class_weights, NumItems(num_items, num_items_value)
     )
     backend = row_backend(opts.backend, hidden.device)
     precompute = grads_in_forward(opts.reduction, hidden.dtype, needs)
-    vocab = weight.shape[0]
-    user_divisor = divisor if num_items is not None else None
-    started = start_label_check(labels, vocab, opts.ignore_index, user_divisor)
     head, shape_key, budget_bytes = None, (hidden.device, labels.shape[0], vocab), None
-    if started is not None:  # queued now, computed while the host waits for the check below
-        budget_bytes = _budget_bytes(opts, hidden, weight, labels, None)  # walking every row
+    if pending.started is not None:  # queued now, computed while the host waits for the check below
+        budget_bytes = _budget_bytes(opts, hidden, weight, pending.labels, None)  # walking every row
         head = _start_head(
-            opts, backend, hidden, weight, bias, labels, keep, needs, precompute, cw, low_rank_u, budget_bytes
-        )
-    labels, poison, kept_rows, n_kept = checked_labels(
-        labels, vocab, opts.ignore_index, user_divisor, opts.tuning, started
-    )
+            opts, backend, hidden, weight, bias, pending.labels, pending.keep, needs, precompute, cw,
+            low_rank_u, budget_bytes,
+        )  # fmt: skip
+    checked = finish_label_check(pending, opts.tuning)
+    labels, poison, kept_rows, divisor, row_weight = (
+        checked.labels, checked.poison, checked.kept_rows, checked.divisor, checked.row_weight
+    )  # fmt: skip
     head_start.remember(shape_key, kept_rows is not None)
     if budget_bytes is None or kept_rows is not None:
         budget_bytes = _budget_bytes(opts, hidden, weight, labels, kept_rows)
-    if poison is not None:  # a captured graph: bad labels became ignored ones
-        keep = labels != opts.ignore_index
-    if counted:
-        divisor = loss_divisor(opts.reduction, keep, labels, cw_weights, num_items, num_items_value, n_kept)
-    row_weight = row_weights(keep, opts.reduction, divisor)
-    if poison is not None:
-        row_weight = row_weight * poison
     outputs = RowOutputs.empty(
         labels.shape[0], hidden.device, _wants_argmax(opts), opts.return_entropy, opts.use_token_scaling
     )

@@ -19,6 +19,7 @@ overwrites it, as the cross-entropy op's weight-dtype sum does); grad_b in fp32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,18 +111,33 @@ def side_chunk(
 
 
 def _torch_step(
-    rows: Chunk, student: Side, teacher: Side, labels: Tensor, coef: Tensor | None, opts: DistillOptions
+    rows: Chunk,
+    student: Side,
+    teacher: Side,
+    labels: Tensor,
+    coef: Tensor | None,
+    opts: DistillOptions,
+    *,
+    with_ignored: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The PyTorch chunk: fp32 logits, straight into ``side_log_probs`` (which frees them as it
-    goes), then ``distill_rows``."""
+    goes), then ``distill_rows``; ``with_ignored``: the rows may include ignored tokens."""
     want = coef is not None
     hs, ls, slope = side_chunk(rows, student, opts.student, side_log_probs, want_slope=want)
     lt = side_chunk(rows, teacher, opts.teacher, side_log_probs)[1]  # the teacher's rows freed
-    loss, g = distill_rows(ls, lt, slope, rows.take(labels), opts, rows.take(coef) if want else None)
+    chunk_labels = rows.take(labels)
+    ignored = chunk_labels == opts.ignore_index if with_ignored else None
+    loss, g = distill_rows(ls, lt, slope, chunk_labels, opts, rows.take(coef) if want else None, ignored)
     return loss, g, hs
 
 
 TORCH_MATH = ChunkMath(step=_torch_step, row_bytes=torch_row_bytes)
+"""The PyTorch chunk of a walk over kept tokens only."""
+TORCH_MATH_WITH_IGNORED = ChunkMath(
+    step=functools.partial(_torch_step, with_ignored=True), row_bytes=torch_row_bytes
+)
+"""The PyTorch chunk of a walk over every row while some may be ignored (under the skip share,
+or while a CUDA graph is captured): their loss and gradient are 0, as the Triton kernel writes."""
 
 
 def student_grads(

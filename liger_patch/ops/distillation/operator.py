@@ -1,5 +1,6 @@
 """The fused distillation loss as registered PyTorch operators, so that ``torch.compile`` captures a
-call as one graph node (``fullgraph=True``, dynamic shapes), following ``operator.py``'s pattern.
+call as one graph node (``fullgraph=True``, dynamic shapes, CUDA graphs), following the
+cross-entropy operator's pattern.
 
 * ``liger_patch::fused_distill`` computes the loss and, with reduction "mean"/"sum" (one scalar
   upstream gradient), the student's gradients at scale 1 while the chunks are hot; the backward
@@ -15,10 +16,13 @@ call as one graph node (``fullgraph=True``, dynamic shapes), following ``operato
   AOTAutograd saves them itself and refuses inference tensors there: a compiled call that
   recomputes (reduction "none", an fp16 student) needs a teacher run under ``torch.no_grad``.
 
-One host sync per forward: the label range check, which also counts the kept tokens (and gives
-"mean"'s divisor when it is that count). While the host waits for it the GPU computes the start
-of the teacher's first logits chunk (``distillation_triton.start_head``, as ``head_start`` does
-for the cross-entropy op).
+One host sync per forward, the cross-entropy op's label check (``core/kept_rows.py``): it also
+counts the kept tokens (and gives "mean"'s divisor when it is that count), and with at least
+``Tuning.skip_ignored_share`` of them ignored the chunks gather the kept rows, else they walk every
+row (an ignored one gives 0). While the host waits for it the GPU computes the start of the
+teacher's first logits chunk (``triton_chunk.start_head``, as ``head_start`` does for the
+cross-entropy op). While a CUDA graph is captured there is none, in the forward or in the
+recomputing backward: every row is walked and a bad label makes the results NaN.
 """
 
 from __future__ import annotations
@@ -26,13 +30,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import budget, head_start, validation
+from liger_patch.ops.core import budget, head_start, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.head_start import HeadStart
-from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, reduce_rows, row_weights
-from liger_patch.ops.distillation.chunks import TORCH_MATH, ChunkMath, Head, Side, run_distill
+from liger_patch.ops.core.kept_rows import (
+    NumItems,
+    begin_label_check,
+    finish_label_check,
+)
+from liger_patch.ops.core.reduction import reduce_rows
+from liger_patch.ops.distillation.chunks import (
+    TORCH_MATH,
+    TORCH_MATH_WITH_IGNORED,
+    ChunkMath,
+    Head,
+    Side,
+    run_distill,
+)
 from liger_patch.ops.distillation.options import DistillOptions, check_logits_dtypes
 
 _F32 = torch.float32
@@ -71,20 +87,15 @@ def _start_head(
         )  # fmt: skip
 
 
-def chunk_math(backend: Backend, head: HeadStart | None = None) -> ChunkMath:
+def chunk_math(backend: Backend, head: HeadStart | None = None, *, with_ignored: bool = False) -> ChunkMath:
     """The chunk work of ``backend`` (``backends.pick``'s); the Triton one imports Triton and
-    takes the teacher's ``head`` (``distillation_triton.start_head``) for its first chunk."""
+    takes the teacher's ``head`` (``triton_chunk.start_head``) for its first chunk.
+    ``with_ignored``: the walk may include ignored rows (the Triton kernel always zeroes them)."""
     if backend.name == "torch":
-        return TORCH_MATH
+        return TORCH_MATH_WITH_IGNORED if with_ignored else TORCH_MATH
     from liger_patch.ops.distillation.triton_chunk import triton_math
 
     return triton_math(backend, head)
-
-
-def _math(opts: DistillOptions, student_hidden: Tensor) -> ChunkMath:
-    """The chunk work of the backend this call runs (``backends.pick``: "auto" is Triton on CUDA
-    or under ``TRITON_INTERPRET=1``, else torch; "triton" elsewhere raises why)."""
-    return chunk_math(pick(opts.backend, student_hidden.device))
 
 
 @torch.library.custom_op("liger_patch::fused_distill", mutates_args=())
@@ -106,46 +117,39 @@ def fused_distill(
     opts = DistillOptions.from_key(options)
     check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     backend = pick(opts.backend, student_hidden.device)
-    labels = labels.long().contiguous()
-    keep = labels != opts.ignore_index
-    counted = counted_divisor(opts.reduction, None, num_items, num_items_value)
-    # A divisor that is the kept count is read in the label check's sync: no launches for it.
-    divisor = (
-        None if counted else loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value)
-    )
     vocab = student_weight.shape[0]
-    check = validation.start_value_check(
-        labels, vocab, opts.ignore_index, divisor if num_items is not None else None
+    pending = begin_label_check(
+        labels, vocab, opts.ignore_index, opts.reduction, None, NumItems(num_items, num_items_value)
     )
     student = Head(student_hidden, student_weight, student_bias)
     teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
     precompute = grads_in_forward(opts.reduction, student_hidden.dtype, needs)
-    budget_bytes = _budget(opts, student_hidden, labels.shape[0])
-    shape_key = ("distill", student_hidden.device, labels.shape[0], vocab)
-    head = _start_head(
-        backend, student, teacher, opts, keep, precompute and any(needs), budget_bytes, shape_key
-    )
-    n_kept = check.result()  # the host waits here, while the head's GEMM runs
-    head_start.remember(shape_key, n_kept < labels.shape[0])
-    if counted:
-        divisor = loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value, n_kept=n_kept)
-    kept = None if n_kept == labels.shape[0] else torch.nonzero_static(keep, size=n_kept).view(-1)
-    row_weight = row_weights(keep, opts.reduction, divisor)
+    n_rows = pending.labels.shape[0]
+    budget_bytes = _budget(opts, student_hidden, n_rows)
+    shape_key = ("distill", student_hidden.device, n_rows, vocab)
+    head = None
+    if pending.started is not None:  # queued now, computed while the host waits for the check below
+        head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes, shape_key)
+    checked = finish_label_check(pending, opts.tuning)
+    head_start.remember(shape_key, checked.kept_rows is not None)
+    with_ignored = checked.kept_rows is None and checked.n_kept != n_rows
     with torch.autocast(student_hidden.device.type, enabled=False):
         res = run_distill(
             student,
             teacher,
-            labels,
+            checked.labels,
             opts,
-            kept=kept,
-            coef=row_weight if precompute else None,
+            kept=checked.kept_rows,
+            coef=checked.row_weight if precompute else None,
             needs=tuple(needs),
             budget_bytes=budget_bytes,
-            math=chunk_math(backend, head),
+            math=chunk_math(backend, head, with_ignored=with_ignored),
         )
-    loss = reduce_rows(res.loss, opts.reduction, divisor)
+    loss = reduce_rows(res.loss, opts.reduction, checked.divisor)
+    if checked.poison is not None:
+        loss = loss * checked.poison
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
-    return (loss, row_weight, *(g if g is not None else _empty(student_hidden) for g in grads))
+    return (loss, checked.row_weight, *(g if g is not None else _empty(student_hidden) for g in grads))
 
 
 @fused_distill.register_fake
@@ -193,18 +197,19 @@ def fused_distill_backward(
     recomputed logits; ``coef`` (N,) fp32 is 0 at ignored tokens."""
     opts = DistillOptions.from_key(options)
     labels = labels.long().contiguous()
-    kept = torch.nonzero(labels != opts.ignore_index).view(-1)
+    kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync, unless a CUDA graph is captured
+    with_ignored = kept is None and kept_rows.capturing(labels)
     with torch.autocast(student_hidden.device.type, enabled=False):
         res = run_distill(
             Head(student_hidden, student_weight, student_bias),
             Head(teacher_hidden, teacher_weight, teacher_bias),
             labels,
             opts,
-            kept=None if kept.shape[0] == labels.shape[0] else kept,
+            kept=kept,
             coef=coef.float(),
             needs=tuple(needs),
             budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
-            math=_math(opts, student_hidden),
+            math=chunk_math(pick(opts.backend, student_hidden.device), with_ignored=with_ignored),
         )
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
     return tuple(g if g is not None else _empty(student_hidden) for g in grads)

@@ -147,26 +147,34 @@ def distill_rows(
     labels: Tensor,
     opts: DistillOptions,
     coef: Tensor | None = None,
+    ignored: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's loss from the (rows, V) fp32 log-probs ``ls`` (student) and ``lt`` (teacher) at
-    the temperature (``side_log_probs``), whose rows are all kept tokens with labels ``labels``
-    (rows,); and with ``coef`` (rows,) fp32, ``coef_i * d loss_i / d x_i`` (rows, V) fp32 with
-    respect to the student's raw logits x (``slope``: the student's softcap slope, when it has
-    a softcap). ``ls`` and ``lt`` are consumed (the gradient may live in either's buffer)."""
+    the temperature (``side_log_probs``), with labels ``labels`` (rows,); and with ``coef``
+    (rows,) fp32, ``coef_i * d loss_i / d x_i`` (rows, V) fp32 with respect to the student's raw
+    logits x (``slope``: the student's softcap slope, when it has a softcap). ``ls`` and ``lt``
+    are consumed (the gradient may live in either's buffer). Every row is a kept token, unless
+    ``ignored`` (rows,) bool marks the rows that are not: their loss and gradient are 0, as the
+    Triton kernel writes them."""
     want_grad = coef is not None
     w = opts.ce_weight
     ce = g_ce = None
     if w:
-        ce, g_ce = _cross_entropy(ls, labels, opts.temperature, want_grad)
+        safe = labels if ignored is None else labels.masked_fill(ignored, 0)
+        ce, g_ce = _cross_entropy(ls, safe, opts.temperature, want_grad)
     d, g = _divergence(opts.beta)(ls, lt, want_grad, opts.beta)
     del ls, lt
     loss = d if not w else (1.0 - w) * d + w * ce
+    if ignored is not None:
+        loss = loss.masked_fill(ignored, 0.0)
     if not want_grad:
         return loss, None
     if w:
         g.mul_(1.0 - w).add_(g_ce, alpha=w)
     del g_ce
     g.mul_(coef.unsqueeze(-1))
+    if ignored is not None:
+        g.masked_fill_(ignored.unsqueeze(-1), 0.0)
     return loss, to_raw_logits_(g, slope, opts.student)
 
 
