@@ -46,7 +46,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from liger_patch.ops.core.triton.common import round_bf16_nearest, softcap as _softcap
+from liger_patch.ops.core.triton.common import fold_partials, round_bf16_nearest, softcap as _softcap
 from liger_patch.ops.cross_entropy.triton.rows import _ce_rows_kernel
 from liger_patch.ops.core.tuning import Tuning
 
@@ -61,6 +61,7 @@ flag_names = ["HAS_SCALE", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_LSE", "HAS_PARTI
               "HAS_CLASS_WEIGHT", "WANT_ARGMAX", "WANT_ENTROPY", "HAS_TOKEN_SCALING", "HAS_ENTROPY_GRAD"]
 kernel = triton.jit(_ce_rows_kernel)
 softcap = triton.jit(_softcap)
+fold_fn = triton.jit(fold_partials)
 round_fn = triton.jit(round_bf16_nearest)
 report = []
 for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
@@ -69,7 +70,7 @@ for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
                      argmax_ptr="*i64", **scalars)
     wider = logits_dtype == "*fp32" and grad_dtype != "*fp32"
     constexprs = dict(zip(flag_names, flags), GRAD_ALIASES_WIDER=wider, REVERSE_PASS2=not wider,
-                      BLOCK_V=8192, BLOCK_P=1024, SOFTCAP_FN=softcap)
+                      BLOCK_V=8192, BLOCK_P=1024, SOFTCAP_FN=softcap, FOLD_FN=fold_fn)
     signature.update({name: "constexpr" for name in constexprs})
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,

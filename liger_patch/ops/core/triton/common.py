@@ -79,12 +79,14 @@ def round_bf16_nearest(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-def fold_partials(pmax_ptr, psum_ptr, row, n_parts, BLOCK_P: tl.constexpr):
-    """(max, log-sum-exp) of one row from its per-tile (max, sum exp(a - max)) partials, as the
-    logits GEMM leaves them (``triton/logits.py``). A kernel takes it as the constexpr
-    ``FOLD_FN=jitted(fold_partials)``."""
+def fold_partials(pmax_ptr, psum_ptr, pz_ptr, row, n_parts, BLOCK_P: tl.constexpr, WITH_Z: tl.constexpr):
+    """(max, log-sum-exp, sum z) of one row from its per-tile partials as the logits GEMM leaves
+    them (``triton/logits.py``): (max, sum exp(a - max)) and, ``WITH_Z`` (label smoothing), the
+    sum of the row's logits, else 0 (``pz_ptr`` unread). Both losses' row kernels take it as the
+    constexpr ``FOLD_FN=jitted(fold_partials)``."""
     run_max = tl.zeros([], dtype=tl.float32) - float("inf")
     run_sum = tl.zeros([], dtype=tl.float32)
+    z_total = tl.zeros([], dtype=tl.float32)
     offsets = tl.arange(0, BLOCK_P)
     for start in range(0, n_parts, BLOCK_P):
         idx = start + offsets
@@ -92,6 +94,9 @@ def fold_partials(pmax_ptr, psum_ptr, row, n_parts, BLOCK_P: tl.constexpr):
         p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
         p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
         new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
+        rescaled = tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
+        run_sum = run_sum * tl.exp(run_max - new_max) + rescaled
         run_max = new_max
-    return run_max, run_max + tl.log(run_sum)
+        if WITH_Z:
+            z_total += tl.sum(tl.load(pz_ptr + row * n_parts + idx, mask=mask, other=0.0), axis=0)
+    return run_max, run_max + tl.log(run_sum), z_total

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from liger_patch import env
-from liger_patch.ops.core.triton.common import jitted, softcap
+from liger_patch.ops.core.triton.common import fold_partials, jitted, softcap
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.core.validation import check_column_block, check_row_records
 from liger_patch.ops.cross_entropy.options import LossOptions
@@ -78,6 +78,7 @@ def _ce_rows_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr,
     SOFTCAP_FN: tl.constexpr,
+    FOLD_FN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row)
@@ -106,22 +107,7 @@ def _ce_rows_kernel(
         elif HAS_PARTIALS:
             # The logits GEMM left (max, sum exp, sum z) per vocabulary tile: fold them. (Their sum z
             # is unweighted: the host refuses them with class weights and label smoothing.)
-            run_max = tl.zeros([], dtype=tl.float32) - float("inf")
-            run_sum = tl.zeros([], dtype=tl.float32)
-            z_total = tl.zeros([], dtype=tl.float32)
-            part_offsets = tl.arange(0, BLOCK_P)
-            for start in range(0, n_parts, BLOCK_P):
-                idx = start + part_offsets
-                mask = idx < n_parts
-                p_max = tl.load(pmax_ptr + row * n_parts + idx, mask=mask, other=float("-inf"))
-                p_sum = tl.load(psum_ptr + row * n_parts + idx, mask=mask, other=0.0)
-                new_max = tl.maximum(run_max, tl.max(p_max, axis=0))
-                rescaled = tl.sum(p_sum * tl.exp(p_max - new_max), axis=0)
-                run_sum = run_sum * tl.exp(run_max - new_max) + rescaled
-                run_max = new_max
-                if HAS_SMOOTHING:
-                    z_total += tl.sum(tl.load(pz_ptr + row * n_parts + idx, mask=mask, other=0.0), axis=0)
-            lse = run_max + tl.log(run_sum)
+            _row_max, lse, z_total = FOLD_FN(pmax_ptr, psum_ptr, pz_ptr, row, n_parts, BLOCK_P, HAS_SMOOTHING)
         else:
             run_max = tl.zeros([], dtype=tl.float32) - float("inf")
             run_sum = tl.zeros([], dtype=tl.float32)
@@ -379,6 +365,7 @@ def ce_rows_triton(
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
         # A jitted function as a constexpr costs host time at every launch: passed only when used.
         SOFTCAP_FN=jitted(softcap) if opts.softcap is not None else None,
+        FOLD_FN=jitted(fold_partials) if pmax is not None else None,
         num_warps=warps,
     )
     if outputs is not None:

@@ -138,8 +138,8 @@ def _distill_rows_kernel(
     else:
         # ---- statistics: lse_s, lse_t (and the KL for beta 0 / 1, lse_z for the cross-entropy)
         if HAS_PARTIALS:
-            max_s, lse_s = FOLD_FN(s_pmax_ptr, s_psum_ptr, row, n_parts, BLOCK_P)
-            max_t, lse_t = FOLD_FN(t_pmax_ptr, t_psum_ptr, row, n_parts, BLOCK_P)
+            max_s, lse_s, _no_z = FOLD_FN(s_pmax_ptr, s_psum_ptr, s_pmax_ptr, row, n_parts, BLOCK_P, False)
+            max_t, lse_t, _no_z = FOLD_FN(t_pmax_ptr, t_psum_ptr, t_pmax_ptr, row, n_parts, BLOCK_P, False)
         if STATS_PASS:
             m_s = tl.full([BLOCK_V], float("-inf"), tl.float32)
             m_t = tl.full([BLOCK_V], float("-inf"), tl.float32)
