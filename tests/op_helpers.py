@@ -390,3 +390,66 @@ def examples(share: float):
     from hypothesis import settings
 
     return settings(max_examples=max(1, round(settings.default.max_examples * share)))
+
+
+def chunk_call(
+    backend,
+    hidden,
+    weight,
+    bias,
+    labels,
+    opts,
+    *,
+    budget_bytes,
+    need_hidden=False,
+    need_weight=False,
+    need_bias=False,
+    **fields,
+):
+    """A ``ChunkCall`` from the flat arguments the chunk loops took before issue 42 (``fields``: the
+    call's other fields by name: ``coef_ce``, ``lse_in``, ``outputs``, ``row_index``, ...)."""
+    from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, GradsWanted, HeadInputs
+
+    return ChunkCall(
+        backend=backend,
+        inputs=HeadInputs(hidden, weight, bias),
+        labels=labels,
+        opts=opts,
+        budget_bytes=budget_bytes,
+        wanted=GradsWanted(need_hidden, need_weight, need_bias),
+        **fields,
+    )
+
+
+def call_rows(
+    kernel,
+    logits,
+    labels,
+    opts,
+    grad=None,
+    coef_ce=None,
+    coef_z=None,
+    lse_in=None,
+    col_offset=0,
+    vocab_total=None,
+    *,
+    class_weight=None,
+    outputs=None,
+    entropy_grad=None,
+    partials=None,
+):
+    """A row kernel (``ce_rows_torch``, ``ce_rows_triton``) called with the flat arguments it took
+    before issue 42, turned into its records (``row_io``). Coefficients without ``grad`` are not
+    passed (a kernel reads them only to write a gradient)."""
+    from liger_patch.ops.cross_entropy.row_io import ChunkRecords, GivenLse, RowGrad
+
+    extra = {} if partials is None else {"partials": partials}
+    return kernel(
+        logits,
+        labels,
+        opts,
+        grad=None if grad is None else RowGrad(grad, coef_ce, coef_z),
+        given=None if lse_in is None else GivenLse(lse_in, col_offset, vocab_total),
+        records=ChunkRecords(class_weight, outputs, entropy_grad),
+        **extra,
+    )

@@ -11,6 +11,7 @@ buffer of another width (``mm_into``), and the row kernel's gradient in the logi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +99,26 @@ def chunk_logits(
         bias = _bias_as_added(b, h.dtype, dtype)
         return out, fused.logits_with_partials(h, w, bias, opts, out, partials)
     return gemm_logits(h, w, b, dtype, out=out), None
+
+
+@dataclass(frozen=True)
+class LogitsGemm:
+    """How a pass computes its chunks' logits (``chunk_logits``): the weight ``w`` as the GEMMs
+    read it, the fp32 bias ``b``, the options (logit scale, softcap, tuning), the dtype the logits
+    are stored in, and the backend whose fused logits GEMM may leave log-sum-exp partials
+    (``None``: cuBLAS for every chunk)."""
+
+    w: torch.Tensor
+    b: torch.Tensor | None
+    opts: LogitsOptions
+    logits_dtype: torch.dtype
+    fused: Backend | None
+
+    def logits(
+        self, h: torch.Tensor, out: torch.Tensor | None = None, partials: tuple | None = None
+    ) -> tuple[torch.Tensor, tuple | None]:
+        """The logits of the hidden rows ``h`` and their partials, or ``None`` (``chunk_logits``)."""
+        return chunk_logits(h, self.w, self.b, self.opts, self.logits_dtype, out, self.fused, partials)
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from liger_patch import env
-from liger_patch.ops.core.backends import Backend
-from liger_patch.ops.core.final_logits import LogitsOptions
-from liger_patch.ops.core.gemm import chunk_logits
+from liger_patch.ops.core.gemm import LogitsGemm
 
 _ROW_ALIGN = 128  # the fused GEMM's row tile on CUDA: each launch covers whole tiles
 _INTERPRET_ROW_ALIGN = 16  # its row tile under the interpreter
@@ -77,50 +75,35 @@ def head_rows(gflop: float, hidden_size: int, vocab: int, first_rows: int) -> in
 
 
 def start(
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    opts: LogitsOptions,
-    logits_dtype: torch.dtype,
-    fused: Backend,
-    first: int,
-    keep: torch.Tensor | None = None,
+    gemm: LogitsGemm, h: torch.Tensor, first: int, keep: torch.Tensor | None = None
 ) -> HeadStart | None:
     """Launch the first ``head_rows`` rows (``Tuning.head_start_gflop``) of the token pass's
     first chunk, of at most ``first`` rows, over every row of ``h``, or with ``keep`` (the kept
-    rows' mask) over the kept ones, with ``fused``'s logits GEMM; ``None`` when there is nothing
-    to start or the GEMM does not take the chunk."""
+    rows' mask) over the kept ones, with ``gemm``'s fused logits GEMM; ``None`` when there is
+    nothing to start or the GEMM does not take the chunk."""
+    w, opts = gemm.w, gemm.opts
     done = head_rows(opts.tuning.head_start_gflop, h.shape[1], w.shape[0], first)
-    gemm = fused.fused_logits
-    if done == 0 or not gemm.supported(h[:first], w, logits_dtype, opts.tuning):
+    fused = gemm.fused.fused_logits
+    if done == 0 or not fused.supported(h[:first], w, gemm.logits_dtype, opts.tuning):
         return None
     if keep is None:
         rows = h[:done]
     else:  # the first ``done`` kept rows; past the last kept one, row 0 (computed, never used)
         rows = h.index_select(0, torch.nonzero_static(keep, size=done, fill_value=0).view(-1))
-    logits = torch.empty(first, w.shape[0], dtype=logits_dtype, device=h.device)
-    partials = gemm.new_partials(first, w.shape[0], opts, h.device)
-    chunk_logits(rows, w, b, opts, logits_dtype, logits[:done], fused, _rows(partials, 0, done))
+    logits = torch.empty(first, w.shape[0], dtype=gemm.logits_dtype, device=h.device)
+    partials = fused.new_partials(first, w.shape[0], opts, h.device)
+    gemm.logits(rows, logits[:done], _rows(partials, 0, done))
     return HeadStart(logits, partials, done, keep is not None)
 
 
-def finish(
-    head: HeadStart,
-    h: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    opts: LogitsOptions,
-    logits_dtype: torch.dtype,
-    fused: Backend,
-) -> tuple[torch.Tensor, tuple]:
+def finish(head: HeadStart, gemm: LogitsGemm, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """The first chunk's logits and partials: the rows ``start`` left, from the chunk's hidden
     rows ``h``, computed into the same buffers (their first ``h.shape[0]`` rows)."""
     logits, partials = head.take()
     rows = h.shape[0]
     logits, partials = logits[:rows], _rows(partials, 0, rows)
     if head.done < rows:
-        rest = _rows(partials, head.done, rows)
-        chunk_logits(h[head.done :], w, b, opts, logits_dtype, logits[head.done :], fused, rest)
+        gemm.logits(h[head.done :], logits[head.done :], _rows(partials, head.done, rows))
     return logits, partials
 
 

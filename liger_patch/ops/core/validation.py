@@ -10,27 +10,6 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_column_block(vocab: int, col_offset: int, vocab_total: int | None, has_lse: bool) -> None:
-    """A row kernel given a block of columns of wider rows cannot compute those rows'
-    log-sum-exp: it must be given it (``lse_in``)."""
-    if (col_offset or (vocab_total or vocab) != vocab) and not has_lse:
-        raise ValueError("a block of columns needs the full rows' log-sum-exp (lse_in)")
-
-
-def check_row_records(has_lse: bool, outputs, class_weight, vocab_total: int) -> None:
-    """A row kernel's per-row outputs need whole rows computed from scratch (no ``lse_in``), and
-    class weights are one fp32 weight per class of the full rows."""
-    if has_lse and outputs is not None and outputs.any():
-        raise ValueError("per-row outputs (argmax, entropy, token scale) are computed without lse_in")
-    if class_weight is not None and (
-        tuple(class_weight.weight.shape) != (vocab_total,) or class_weight.weight.dtype != torch.float32
-    ):
-        raise ValueError(
-            f"class weights must be fp32 of shape ({vocab_total},), got {class_weight.weight.dtype} "
-            f"{tuple(class_weight.weight.shape)}"
-        )
-
-
 def check_num_items(num_items_in_batch: object, reduction: str) -> None:
     """``num_items_in_batch``: None, or a non-negative finite int, float or scalar tensor given
     with reduction "mean" (a tensor's value is checked on the device, in ``check_values``)."""

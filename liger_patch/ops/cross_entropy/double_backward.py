@@ -1,5 +1,5 @@
 """The op's gradients as a graph of plain PyTorch ops, for a backward with ``create_graph=True``
-(``operator.py``'s autograd formula hands this path over when grad mode is on in its backward)."""
+(``autograd.py``'s formula hands this path over when grad mode is on in its backward)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.final_logits import final_logits
+from liger_patch.ops.cross_entropy.forward_io import SavedTensors
 from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.row_io import ClassWeight
+from liger_patch.ops.cross_entropy.row_io import ChunkRecords, ClassWeight
 from liger_patch.ops.cross_entropy.rows import ce_rows_torch, row_entropy, z_loss_rows
 
 
 def differentiable_grads(
-    saved: tuple,
+    saved: SavedTensors,
     opts: LossOptions,
     needs: list[bool],
     class_weight: ClassWeight | None,
@@ -29,14 +30,16 @@ def differentiable_grads(
     it, keeping the graph. The loss is ``sum_i row_weight_i (ce_i + zl_i)`` for every reduction
     (per row for "none"), as the forward computes it; the entropy's rows are recomputed too.
 
-    ``saved``: hidden, weight, bias, labels, row_weight, token_scale, u, B (the last two ``None``
-    without a low-rank term); returns the gradients of hidden, weight, bias (u, B) that ``needs``
-    asks for, ``None`` for the others.
+    ``saved``: what the forward's node saved (u and B ``None`` without a low-rank term); returns the
+    gradients of hidden, weight, bias (u, B) that ``needs`` asks for, ``None`` for the others.
     """
-    hidden, weight, bias, labels, row_weight, token_scale, u, b = saved
+    labels, row_weight, token_scale = saved.labels, saved.row_weight, saved.token_scale
     # Fresh views: when one input is a view of another (hidden = weight[:N]), autograd.grad with
     # respect to the inputs themselves would count the path through the other one twice.
-    tensors = [None if t is None else t.view_as(t) for t in (hidden, weight, bias, u, b)]
+    tensors = [
+        None if t is None else t.view_as(t)
+        for t in (saved.hidden, saved.weight, saved.bias, saved.u, saved.b)
+    ]
     hidden, weight, bias, u, b = tensors
     needs = needs[: 3 if u is None else 5]
     inputs = [t for t, need in zip(tensors, needs, strict=False) if need]
@@ -46,7 +49,7 @@ def differentiable_grads(
     if bias is not None:
         logits = logits + bias.float()
     labels = labels.long()
-    ce, lse = ce_rows_torch(logits, labels, opts, class_weight=class_weight)
+    ce, lse = ce_rows_torch(logits, labels, opts, records=ChunkRecords(class_weight=class_weight))
     if opts.use_token_scaling:
         row_weight = row_weight * token_scale
     z_rows = row_weight * z_loss_rows(lse, opts)

@@ -1,7 +1,10 @@
-"""What a row kernel takes and gives beyond the logits, labels and loss terms.
+"""What a row kernel takes and gives beyond the logits, labels and loss terms: where its gradient
+goes (``RowGrad``), the rows' log-sum-exp when it is given (``GivenLse``), and the records of
+class weights, per-row outputs and the entropy's gradient (``ChunkRecords``).
 
-Both row kernels (``torch_ce.ce_rows_torch``, ``triton/rows.ce_rows_triton``) take these records
-and honour them the same way; ``chunked.run_chunks`` slices (or gathers) them per token chunk.
+Both row kernels (``rows.ce_rows_torch``, ``triton/rows.ce_rows_triton``) take these records and
+honour them the same way; the chunk loops slice (or gather) them per token chunk
+(``RowRecords``).
 
 Notation (``docs/loss.md``): z = softcap(s * x) are a row's final logits, p = softmax(z),
 lse = logsumexp(z), y the label, w the class weights.
@@ -67,6 +70,14 @@ class ClassWeight:
     weight: torch.Tensor
     total: torch.Tensor
 
+    @classmethod
+    def of(cls, weight: torch.Tensor | None) -> ClassWeight | None:
+        """The record of a (V,) float ``weight`` (``F.cross_entropy``'s ``weight=``), or ``None``."""
+        if weight is None:
+            return None
+        weight = weight.to(torch.float32).contiguous()
+        return cls(weight, weight.sum())
+
 
 @dataclass(frozen=True)
 class EntropyGrad:
@@ -76,6 +87,55 @@ class EntropyGrad:
 
     coef: torch.Tensor
     entropy: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowGrad:
+    """Where a row kernel writes d(loss)/d(logits), and each row's coefficients of it: ``out``
+    (rows, V) in any dtype (it may alias the logits: ``gemm.grad_view``), ``coef_ce`` and ``coef_z``
+    (rows,) fp32, the weights of d ce / dx and of d (z_loss_scale lse^2) / dx (0 at ignored rows)."""
+
+    out: torch.Tensor
+    coef_ce: torch.Tensor
+    coef_z: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GivenLse:
+    """The whole rows' log-sum-exp ``lse`` (rows,), given to a row kernel that then computes only
+    the gradient (the backward, pass B, a vocabulary shard), and where the chunk's columns sit in
+    those rows: ``[col_offset, col_offset + V)`` of ``vocab_total`` (``None``: the chunk's V)."""
+
+    lse: torch.Tensor
+    col_offset: int = 0
+    vocab_total: int | None = None
+
+
+@dataclass(frozen=True)
+class ChunkRecords:
+    """The records above for one chunk's rows, each ``None`` when not used."""
+
+    class_weight: ClassWeight | None = None
+    outputs: RowOutputs | None = None
+    entropy_grad: EntropyGrad | None = None
+
+
+NO_RECORDS = ChunkRecords()
+
+
+def check_records(records: ChunkRecords, lse_given: bool, vocab_total: int) -> None:
+    """A row kernel's per-row outputs need whole rows computed from scratch (no given
+    log-sum-exp), and class weights are one fp32 weight per class of the full rows."""
+    outputs, class_weight = records.outputs, records.class_weight
+    if lse_given and outputs is not None and outputs.any():
+        raise ValueError("per-row outputs (argmax, entropy, token scale) are computed without lse_in")
+    if class_weight is not None and (
+        tuple(class_weight.weight.shape) != (vocab_total,) or class_weight.weight.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"class weights must be fp32 of shape ({vocab_total},), got {class_weight.weight.dtype} "
+            f"{tuple(class_weight.weight.shape)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -115,17 +175,14 @@ class RowRecords:
         """The token pass's chunks of ``chunk_rows`` rows: of all ``n_rows``, or of ``index``."""
         return chunks(n_rows, self.index, chunk_rows)
 
-    def for_chunk(self, chunk: Chunk) -> dict:
-        """Keyword arguments of the row kernel for ``chunk`` (views of the walked records)."""
-        out = {}
-        if self.class_weight is not None:
-            out["class_weight"] = self.class_weight
-        if self.outputs is not None:
-            out["outputs"] = self.outputs.rows(chunk.start, chunk.stop)
-        if self.entropy_grad is not None:
-            grad = self.entropy_grad
-            out["entropy_grad"] = EntropyGrad(chunk.rows(grad.coef), chunk.rows(grad.entropy))
-        return out
+    def for_chunk(self, chunk: Chunk) -> ChunkRecords:
+        """The row kernel's records for ``chunk`` (views of the walked records)."""
+        grad = self.entropy_grad
+        return ChunkRecords(
+            self.class_weight,
+            None if self.outputs is None else self.outputs.rows(chunk.start, chunk.stop),
+            None if grad is None else EntropyGrad(chunk.rows(grad.coef), chunk.rows(grad.entropy)),
+        )
 
     def finish(self) -> None:
         """Write the walked outputs into the caller's; the rows not walked get an ignored row's

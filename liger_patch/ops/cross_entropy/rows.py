@@ -16,9 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from liger_patch.ops.core.final_logits import final_logits, softcap_slope_, to_raw_logits_
-from liger_patch.ops.core.validation import check_column_block, check_row_records
 from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.cross_entropy.row_io import (
+    NO_RECORDS,
+    ChunkRecords,
+    ClassWeight,
+    EntropyGrad,
+    GivenLse,
+    RowGrad,
+    RowOutputs,
+    check_records,
+)
 
 
 @dataclass(frozen=True)
@@ -88,31 +96,29 @@ def ce_rows_torch(
     logits: torch.Tensor,
     labels: torch.Tensor,
     opts: LossOptions,
-    grad: torch.Tensor | None = None,
-    coef_ce: torch.Tensor | None = None,
-    coef_z: torch.Tensor | None = None,
-    lse_in: torch.Tensor | None = None,
-    col_offset: int = 0,
-    vocab_total: int | None = None,
     *,
-    class_weight: ClassWeight | None = None,
-    outputs: RowOutputs | None = None,
-    entropy_grad: EntropyGrad | None = None,
+    grad: RowGrad | None = None,
+    given: GivenLse | None = None,
+    records: ChunkRecords = NO_RECORDS,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Per-row loss terms of a (rows, V) logits chunk (any float dtype; the math is fp32).
 
-    Returns ``(ce, lse)``, both 0 at ignored rows. With ``grad`` given, writes
+    Returns ``(ce, lse)``, both 0 at ignored rows. With ``grad``, writes into ``grad.out``
     ``coef_ce[i] * d ce_i / dx + coef_z[i] * d lse_i^2 * z_loss_scale / dx`` (+ the entropy's
-    term with ``entropy_grad``) into it (any dtype; it may alias ``logits``).
+    term with ``records.entropy_grad``).
 
-    With ``lse_in`` (the full rows' log-sum-exp) the chunk may be a block of columns
-    ``[col_offset, col_offset + V)`` of rows of ``vocab_total`` logits; only the gradient is
-    computed then, and ``(None, lse_in)`` is returned, as the Triton kernel does. ``outputs``
-    (the forward's per-row results) needs whole rows and no ``lse_in``.
+    With ``given`` (the full rows' log-sum-exp) the chunk may be a block of columns of wider rows
+    (``GivenLse``); only the gradient is computed then, and ``(None, given.lse)`` is returned, as
+    the Triton kernel does. ``records.outputs`` (the forward's per-row results) needs whole rows
+    and no ``given``.
     """
+    col_offset, vocab_total, lse_in = (
+        (0, None, None) if given is None else (given.col_offset, given.vocab_total, given.lse)
+    )
+    class_weight, outputs, entropy_grad = records.class_weight, records.outputs, records.entropy_grad
+    coef_ce, coef_z = (None, None) if grad is None else (grad.coef_ce, grad.coef_z)
     vocab = logits.shape[-1]
-    check_column_block(vocab, col_offset, vocab_total, lse_in is not None)
-    check_row_records(lse_in is not None, outputs, class_weight, vocab_total or vocab)
+    check_records(records, lse_in is not None, vocab_total or vocab)
     vocab_total = vocab_total or vocab
     keep = labels != opts.ignore_index
     local = labels - col_offset
@@ -140,7 +146,7 @@ def ce_rows_torch(
 
     if grad is not None:
         block = _Block(z, u, lse, keep, in_block, safe_labels, w_label, col_offset, vocab_total, class_weight)
-        grad.copy_(_grad(block, opts, coef_ce, coef_z, entropy_grad))
+        grad.out.copy_(_grad(block, opts, coef_ce, coef_z, entropy_grad))
 
     if ce is None:
         return None, lse_in

@@ -31,8 +31,9 @@ from liger_patch.ops.core import budget
 from liger_patch.ops.core.final_logits import final_logits
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.cross_entropy.backends import RowBackend
+from liger_patch.ops.cross_entropy.chunk_call import HeadInputs
 from liger_patch.ops.cross_entropy.options import LossOptions, build_options
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, RowOutputs
+from liger_patch.ops.cross_entropy.row_io import ChunkRecords, ClassWeight, RowOutputs
 
 _F32, _F64 = torch.float32, torch.float64
 
@@ -96,7 +97,8 @@ def _chunk_stats(
     # Only lse and the records are read from the kernel: with smoothing its unused ce would sum every row.
     kernel_opts = build_options(opts.key, label_smoothing=0.0)
     kernel_labels = _kernel_labels(labels, local, in_shard, opts)
-    _, lse = backend.row_kernel(logits, kernel_labels, kernel_opts, outputs=rows if rows.any() else None)
+    records = ChunkRecords(outputs=rows if rows.any() else None)
+    _, lse = backend.row_kernel(logits, kernel_labels, kernel_opts, records=records)
     out["lse"].copy_(lse)
     at_label = logits.gather(1, torch.where(in_shard, local, 0).unsqueeze(1)).squeeze(1)
     out["label_logit"].copy_(torch.where(in_shard, _final(at_label, opts), 0.0))
@@ -121,23 +123,23 @@ def _empty_shard_stats(stats: torch.Tensor, names: tuple[str, ...]) -> torch.Ten
 
 
 @torch.no_grad()
-def shard_stats(
+def shard_statistics(
     backend: RowBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    inputs: HeadInputs,
     labels: torch.Tensor,
     opts: LossOptions,
     offset: int,
     class_weight: ClassWeight | None,
 ) -> torch.Tensor:
-    """The statistics of :func:`stat_names` for every token (rows) over this shard's columns,
+    """The statistics of :func:`stat_names` for every token (rows) over this shard's columns
+    (``inputs``: the hidden states, the shard's rows of the weight and bias),
     as a ``(len(names), N)`` fp64 tensor (fp64 so that a column index travels exactly).
 
     Token chunks as large as the memory budget allows (``budget.chunk_rows``); each chunk's
     logits are the only ``rows x V_r`` buffer, as in the unsharded op's forward.
     """
     names = stat_names(opts)
+    hidden, weight, bias = inputs.hidden, inputs.weight, inputs.bias
     n, vocab_r = labels.shape[0], weight.shape[0]
     stats = torch.zeros(len(names), n, dtype=_F64, device=hidden.device)
     if vocab_r == 0:

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.core.vocab_shard import (
@@ -52,9 +53,17 @@ from liger_patch.ops.core.vocab_shard import (
 )
 from liger_patch.ops.cross_entropy import outputs, shard_math
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
-from liger_patch.ops.cross_entropy.operator import class_weight_record, recompute_grads
+from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, GradsWanted, HeadInputs
+from liger_patch.ops.cross_entropy.operator import recompute_grads
 from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions, build_options
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad
+from liger_patch.ops.cross_entropy.row_io import (
+    NO_RECORDS,
+    ChunkRecords,
+    ClassWeight,
+    EntropyGrad,
+    GivenLse,
+    RowGrad,
+)
 from liger_patch.ops.cross_entropy.rows import RowStats, row_loss, z_loss_rows
 
 __all__ = ["shard_backend", "vocab_parallel_loss"]
@@ -64,28 +73,23 @@ _F32 = torch.float32
 
 def shard_backend(base: RowBackend, shard: VocabShard) -> RowBackend:
     """``base`` with a row kernel that reads the shard's logits as columns ``[offset, offset + V_r)``
-    of rows of ``shard.vocab`` logits, so ``chunked.run_chunks`` computes the shard's gradients
-    from the whole rows' log-sum-exp (``lse_in``) unchanged. Its column blocks (the two-pass path)
+    of rows of ``shard.vocab`` logits, so ``chunks.run_chunks`` computes the shard's gradients
+    from the whole rows' log-sum-exp (``ChunkCall.lse_in``) unchanged. Its column blocks (the two-pass path)
     are blocks of the shard: their offsets are shifted by the shard's."""
 
     def row_kernel(
         logits: Tensor,
         labels: Tensor,
         opts: LossOptions,
-        grad: Tensor | None = None,
-        coef_ce: Tensor | None = None,
-        coef_z: Tensor | None = None,
-        lse_in: Tensor | None = None,
-        col_offset: int = 0,
-        vocab_total: int | None = None,
-        **records: Any,
+        *,
+        grad: RowGrad | None = None,
+        given: GivenLse | None = None,
+        records: ChunkRecords = NO_RECORDS,
     ) -> tuple[Tensor | None, Tensor]:
-        if lse_in is None:
+        if given is None:
             raise ValueError("a vocabulary shard's row kernel needs the whole rows' log-sum-exp (lse_in)")
-        offset = shard.offset + col_offset
-        return base.row_kernel(
-            logits, labels, opts, grad, coef_ce, coef_z, lse_in, offset, shard.vocab, **records
-        )
+        shifted = GivenLse(given.lse, shard.offset + given.col_offset, shard.vocab)
+        return base.row_kernel(logits, labels, opts, grad=grad, given=shifted, records=records)
 
     return dataclasses.replace(base, row_kernel=row_kernel, fused_logits=None)
 
@@ -126,27 +130,36 @@ def _empty(like: Tensor, dtype: torch.dtype = _F32) -> Tensor:
     return torch.empty(0, dtype=dtype, device=like.device)
 
 
+@dataclass(frozen=True)
+class _ShardCall:
+    """What ``_VocabParallelLoss`` takes besides the tensors that get gradients: the labels (N,),
+    the class weights (V,), ``num_items_in_batch``, the shard and the options."""
+
+    labels: Tensor
+    class_weight: Tensor | None
+    num_items: NumItems
+    shard: VocabShard
+    opts: LossOptions
+
+
 class _VocabParallelLoss(torch.autograd.Function):
     """``(loss, z_loss, argmax, entropy rows)`` of a vocabulary shard; see the module doc."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, class_weight, num_items, num_items_value, shard, opts):
-        labels = labels.long().contiguous()
+    def forward(ctx, hidden, weight, bias, call: _ShardCall):
+        opts, shard = call.opts, call.shard
+        labels = call.labels.long().contiguous()
         keep = labels != opts.ignore_index
-        cw = class_weight_record(class_weight)
+        cw = ClassWeight.of(call.class_weight)
+        num_items = call.num_items
         divisor = loss_divisor(
-            opts.reduction, keep, labels, None if cw is None else cw.weight, num_items, num_items_value
+            opts.reduction, keep, labels, None if cw is None else cw.weight, num_items.tensor, num_items.value
         )
         needs = list(ctx.needs_input_grad[:3])
-        check_ranks_agree(labels, shard, opts.ignore_index, divisor if num_items is not None else None, needs)
-        names = shard_math.stat_names(opts)
-        with torch.autocast(hidden.device.type, enabled=False):
-            stats = shard_math.shard_stats(
-                row_backend(opts.backend, hidden.device), hidden, weight, bias, labels, opts, shard.offset, cw
-            )
-        rows = _rows(
-            shard_math.combine(all_gather_stats(stats, shard.group), names), labels, opts, cw, shard.vocab
+        check_ranks_agree(
+            labels, shard, opts.ignore_index, divisor if num_items.tensor is not None else None, needs
         )
+        rows = _shard_rows(hidden, weight, bias, labels, call, cw)
         loss = reduce_rows(rows.ce + rows.z, opts.reduction, divisor)
         z_loss = reduce_rows(rows.z, opts.reduction, divisor)
         row_weight = row_weights(keep, opts.reduction, divisor)
@@ -158,7 +171,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         if rows.entropy is None:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, labels, class_weight, rows.lse, row_weight, entropy)
+        ctx.save_for_backward(hidden, weight, bias, labels, call.class_weight, rows.lse, row_weight, entropy)
         ctx.shard, ctx.opts = shard, opts
         return loss, z_loss, argmax, entropy
 
@@ -171,57 +184,57 @@ class _VocabParallelLoss(torch.autograd.Function):
         zero = torch.zeros((), dtype=_F32, device=hidden.device)
         g_loss = zero if grad_loss is None else grad_loss.float()
         g_z = zero if grad_z is None or opts.z_loss_scale == 0.0 else grad_z.float()
-        entropy_grad = None if grad_entropy is None else EntropyGrad(grad_entropy.float(), entropy)
-        grads = _shard_grads(
-            (hidden, weight, bias),
-            labels,
-            class_weight,
-            lse,
-            shard,
-            opts,
-            needs,
+        call = ChunkCall(
+            backend=shard_backend(row_backend(opts.backend, hidden.device), shard),
+            inputs=HeadInputs(hidden, weight, bias),
+            labels=labels,
+            opts=opts,
+            budget_bytes=0,
             coef_ce=g_loss * row_weight,
             coef_z=(g_loss + g_z) * row_weight,
-            entropy_grad=entropy_grad,
+            lse_in=lse,
+            wanted=GradsWanted.of(needs),
+            class_weight=ClassWeight.of(class_weight),
+            entropy_grad=None if grad_entropy is None else EntropyGrad(grad_entropy.float(), entropy),
         )
+        grads = _shard_grads(call)
         if needs[0]:
             dist.all_reduce(grads[0], group=shard.group)  # every shard's part of d loss / d hidden
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None)
 
 
-def _shard_grads(
-    inputs: tuple[Tensor, Tensor, Tensor | None],
-    labels: Tensor,
-    class_weight: Tensor | None,
-    lse: Tensor,
-    shard: VocabShard,
-    opts: LossOptions,
-    needs: tuple[bool, ...],
-    *,
-    coef_ce: Tensor,
-    coef_z: Tensor,
-    entropy_grad: EntropyGrad | None,
-) -> list[Tensor | None]:
+def _shard_rows(hidden, weight, bias, labels: Tensor, call: _ShardCall, cw: ClassWeight | None) -> _Rows:
+    """The rows' loss terms from this shard's statistics and every other shard's (one all-gather)."""
+    opts, shard = call.opts, call.shard
+    names = shard_math.stat_names(opts)
+    with torch.autocast(hidden.device.type, enabled=False):
+        stats = shard_math.shard_statistics(
+            row_backend(opts.backend, hidden.device),
+            HeadInputs(hidden, weight, bias),
+            labels,
+            opts,
+            shard.offset,
+            cw,
+        )
+    combined = shard_math.combine(all_gather_stats(stats, shard.group), names)
+    return _rows(combined, labels, opts, cw, shard.vocab)
+
+
+def _shard_grads(call: ChunkCall) -> list[Tensor | None]:
     """This rank's gradients of hidden (its shard's part), weight and bias (its shard's, complete),
-    from per-row coefficients of d ce and d z-loss (and of the entropy), as ``flce_backward``."""
-    hidden, weight, bias = inputs
-    if weight.shape[0] == 0:  # an empty shard adds nothing to grad_h, and has no rows of its own
+    from the call's per-row coefficients of d ce and d z-loss (and of the entropy), as
+    ``flce_backward``."""
+    inputs, wanted = call.inputs, call.wanted
+    if inputs.weight.shape[0] == 0:  # an empty shard adds nothing to grad_h, and has no rows of its own
         return [
             torch.zeros_like(t) if need and t is not None else None
-            for t, need in zip((hidden, weight, bias), needs, strict=True)
+            for t, need in zip(
+                (inputs.hidden, inputs.weight, inputs.bias),
+                (wanted.hidden, wanted.weight, wanted.bias),
+                strict=True,
+            )
         ]
-    res = recompute_grads(
-        shard_backend(row_backend(opts.backend, hidden.device), shard),
-        inputs,
-        labels,
-        class_weight,
-        opts,
-        needs,
-        lse=lse,
-        coef_ce=coef_ce,
-        coef_z=coef_z,
-        entropy_grad=entropy_grad,
-    )
+    res = recompute_grads(call)
     return [res.grad_hidden, res.grad_weight, res.grad_bias]
 
 
@@ -251,14 +264,14 @@ def vocab_parallel_loss(
     check_shard_tensors(hidden, weight, labels, bias, class_weight, shard)
     hidden, weight, bias = validation.autocast_inputs(hidden, weight, bias)
     check_logits_dtype(opts.logits_dtype, hidden.dtype)
-    loss, z_loss, argmax, entropy = _VocabParallelLoss.apply(
-        hidden.reshape(labels.numel(), hidden.shape[-1]),
-        weight,
-        bias,
+    call = _ShardCall(
         labels.reshape(-1),
         class_weight,
-        *validation.num_items_operands(num_items_in_batch),
+        NumItems(*validation.num_items_operands(num_items_in_batch)),
         shard,
         opts,
+    )
+    loss, z_loss, argmax, entropy = _VocabParallelLoss.apply(
+        hidden.reshape(labels.numel(), hidden.shape[-1]), weight, bias, call
     )
     return outputs.pack(opts, labels, loss, z_loss, argmax, entropy)

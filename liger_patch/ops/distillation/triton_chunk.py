@@ -27,7 +27,7 @@ from torch import Tensor
 from liger_patch.ops.core import head_start
 from liger_patch.ops.core.backends import Backend, FusedLogits
 from liger_patch.ops.core.budget import chunk_rows
-from liger_patch.ops.core.gemm import chunk_logits, grad_view
+from liger_patch.ops.core.gemm import LogitsGemm, chunk_logits, grad_view
 from liger_patch.ops.core.walked_rows import Chunk
 from liger_patch.ops.distillation.chunks import ChunkMath, Side
 from liger_patch.ops.distillation.options import DistillOptions
@@ -68,7 +68,9 @@ def _step(
     )
     via = backend if both else None  # partials for both sides or for neither
     if both and head is not None and head.fits(rows.index is not None, ht.shape[0]):
-        lt, t_parts = head_start.finish(head, ht, teacher.w, teacher.b, opts.teacher, t_dtype, backend)
+        lt, t_parts = head_start.finish(
+            head, LogitsGemm(teacher.w, teacher.b, opts.teacher, t_dtype, backend), ht
+        )
     else:
         if head is not None:
             head.take()  # dropped: its buffers are freed here
@@ -112,7 +114,8 @@ def start_head(
     s_dtype, t_dtype = opts.logits_dtype_for(hs.dtype), opts.logits_dtype_for(ht.dtype)
     if not fused.supported(hs[:first], student.w, s_dtype, opts.student.tuning):
         return None
-    return head_start.start(ht, teacher.w, teacher.b, opts.teacher, t_dtype, backend, first, keep)
+    gemm = LogitsGemm(teacher.w, teacher.b, opts.teacher, t_dtype, backend)
+    return head_start.start(gemm, ht, first, keep)
 
 
 def _row_bytes(

@@ -12,9 +12,8 @@ import pytest
 import torch
 from op_helpers import call_op, make_case
 
-from liger_patch.ops.core import head_start, validation
+from liger_patch.ops.core import gemm, head_start, validation
 from liger_patch.ops.core.tuning import Tuning
-from liger_patch.ops.cross_entropy import chunks as chunked
 
 pytest.importorskip("liger_patch.ops.core.triton.logits")
 
@@ -60,16 +59,15 @@ def launches(monkeypatch):
         return real_result(self)
 
     monkeypatch.setattr(validation.ValueCheck, "result", result)
-    for module in (chunked, head_start):
-        real = module.chunk_logits
+    real = gemm.chunk_logits  # every fused logits GEMM of the op: token chunks and the head start
 
-        def spy(h, *args, real=real, **kwargs):
-            logits, partials = real(h, *args, **kwargs)
-            if partials is not None:
-                events.append(("gemm", h.shape[0]))
-            return logits, partials
+    def spy(h, *args, **kwargs):
+        logits, partials = real(h, *args, **kwargs)
+        if partials is not None:
+            events.append(("gemm", h.shape[0]))
+        return logits, partials
 
-        monkeypatch.setattr(module, "chunk_logits", spy)
+    monkeypatch.setattr(gemm, "chunk_logits", spy)
     return events
 
 
@@ -185,7 +183,9 @@ def test_used_when_the_kept_rows_fit_one_unrounded_chunk(gen, device, monkeypatc
     real_start, real_finish = head_start.start, head_start.finish
     monkeypatch.setattr(head_start, "start", lambda *a, **k: begun.append(real_start(*a, **k)) or begun[-1])
     monkeypatch.setattr(
-        head_start, "finish", lambda head, h, *a: used.append(h.shape[0]) or real_finish(head, h, *a)
+        head_start,
+        "finish",
+        lambda head, logits_gemm, h: used.append(h.shape[0]) or real_finish(head, logits_gemm, h),
     )
     labels = torch.randint(0, V, (600,), generator=gen)
     labels[torch.randperm(600, generator=gen)[:70]] = -100  # 530 kept: skipped (over 5 %)

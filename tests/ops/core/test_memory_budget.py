@@ -108,20 +108,7 @@ def test_batch_budget_from_the_environment_and_as_an_option(monkeypatch):
 def logits_calls(monkeypatch):
     """Records the row count of every logits chunk the op builds (a first chunk begun before the
     label check, ``head_start``, when it is finished)."""
-    calls = record_calls(
-        monkeypatch, chunked.head_start, "finish", lambda args, kwargs, out: args[1].shape[0]
-    )
-    monkeypatch.setattr(chunked, "chunk_logits", _appending(calls, chunked.chunk_logits))
-    return calls
-
-
-def _appending(calls: list, real):
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(args[0].shape[0])
-        return out
-
-    return spy
+    return record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: out[0].shape[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

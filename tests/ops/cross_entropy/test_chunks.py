@@ -1,4 +1,4 @@
-"""``chunked.run_chunks``'s kept-rows path: when some labels are ignored, the forward passes the
+"""``chunks.run_chunks``' kept-rows path: when some labels are ignored, the forward passes the
 kept rows' index and the token chunks gather those rows only (every GEMM shrinks by the share of
 ignored rows). The skipped rows must read exactly as ignored rows: ce = lse = 0, zero grad_h,
 argmax -1, entropy and token scale 0.
@@ -9,7 +9,16 @@ import dataclasses
 
 import pytest
 import torch
-from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, record_calls
+from op_helpers import (
+    BACKENDS,
+    DTYPES,
+    IGNORE_PATTERNS,
+    TOL,
+    check_parity,
+    chunk_call,
+    make_case,
+    record_calls,
+)
 
 import liger_patch as lp
 from liger_patch.ops.core.tuning import Tuning
@@ -24,7 +33,7 @@ from liger_patch.ops.cross_entropy.row_io import RowOutputs
 def row_indexes(monkeypatch):
     """The ``row_index`` of every ``run_chunks`` call (``None`` when every row is walked)."""
     return record_calls(
-        monkeypatch, flce_operator, "run_chunks", lambda args, kwargs, result: kwargs.get("row_index")
+        monkeypatch, flce_operator, "run_chunks", lambda args, kwargs, result: args[0].row_index
     )
 
 
@@ -101,19 +110,21 @@ def _run_all_grads(backend, device, hidden, weight, bias, labels, opts, budget_b
     grad_W, grad_b."""
     coef = (labels != -100).float() * 0.37
     res = chunked.run_chunks(
-        row_backend(backend, device),
-        hidden,
-        weight,
-        bias,
-        labels,
-        opts,
-        budget_bytes=budget_bytes,
-        coef_ce=coef,
-        coef_z=coef * 1.5,
-        need_hidden=True,
-        need_weight=True,
-        need_bias=bias is not None,
-        **extra,
+        chunk_call(
+            row_backend(backend, device),
+            hidden,
+            weight,
+            bias,
+            labels,
+            opts,
+            budget_bytes=budget_bytes,
+            coef_ce=coef,
+            coef_z=coef * 1.5,
+            need_hidden=True,
+            need_weight=True,
+            need_bias=bias is not None,
+            **extra,
+        )
     )
     return [res.ce, res.lse, res.grad_hidden, res.grad_weight, res.grad_bias]
 
@@ -160,18 +171,20 @@ def test_all_rows_ignored_gives_zero_grad_weight_not_garbage(gen, device, backen
     weight = torch.randn(20, 6, generator=gen).to(device)
     labels = torch.full((8,), -100, device=device)
     res = chunked.run_chunks(
-        row_backend(backend, device),
-        hidden,
-        weight,
-        None,
-        labels,
-        LossOptions(tuning=Tuning(fp32_grad_weight=False)),
-        budget_bytes=1 << 20,
-        coef_ce=torch.zeros(8, device=device),
-        coef_z=torch.zeros(8, device=device),
-        need_hidden=True,
-        need_weight=True,
-        row_index=torch.zeros(0, dtype=torch.int64, device=device),
+        chunk_call(
+            row_backend(backend, device),
+            hidden,
+            weight,
+            None,
+            labels,
+            LossOptions(tuning=Tuning(fp32_grad_weight=False)),
+            budget_bytes=1 << 20,
+            coef_ce=torch.zeros(8, device=device),
+            coef_z=torch.zeros(8, device=device),
+            need_hidden=True,
+            need_weight=True,
+            row_index=torch.zeros(0, dtype=torch.int64, device=device),
+        )
     )
     assert res.grad_weight.abs().sum() == 0 and res.grad_hidden.abs().sum() == 0
     assert res.ce.abs().sum() == 0 and res.lse.abs().sum() == 0

@@ -4,7 +4,7 @@ the rounding that one bf16 addition per chunk allows."""
 
 import pytest
 import torch
-from op_helpers import make_case, reference_for
+from op_helpers import chunk_call, make_case, reference_for
 
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy.backends import row_backend
@@ -35,16 +35,18 @@ def test_grad_weight_accumulation_modes(gen, device, fp32_grad_weight):
         tuning=Tuning(fp32_grad_weight=fp32_grad_weight),
     )
     res = run_chunks(
-        TORCH,
-        case.hidden.reshape(-1, 24),
-        case.weight,
-        None,
-        case.labels.reshape(-1),
-        opts,
-        budget_bytes=4 * vocab * rows_per_chunk,
-        coef_ce=(case.labels.reshape(-1) != -100).float(),
-        coef_z=torch.zeros(47, device=device),
-        need_weight=True,
+        chunk_call(
+            TORCH,
+            case.hidden.reshape(-1, 24),
+            case.weight,
+            None,
+            case.labels.reshape(-1),
+            opts,
+            budget_bytes=4 * vocab * rows_per_chunk,
+            coef_ce=(case.labels.reshape(-1) != -100).float(),
+            coef_z=torch.zeros(47, device=device),
+            need_weight=True,
+        )
     )
     assert res.grad_weight.dtype == torch.bfloat16
     assert _rel(res.grad_weight, leaves["weight"].grad) < tol
@@ -62,6 +64,10 @@ def test_auto_mode_keeps_fp32_when_it_fits_the_budget(gen, device):
         coef_ce=torch.ones(30, device=device), coef_z=torch.zeros(30, device=device), need_weight=True
     )
     budget = 4 * 64 * 16 + 2 * 64 * 4  # an fp32 grad_W, and 4 rows of bf16 logits: 8 chunks
-    auto = run_chunks(TORCH, hidden, case.weight, None, labels, auto_opts, budget_bytes=budget, **coef)
-    fp32 = run_chunks(TORCH, hidden, case.weight, None, labels, fp32_opts, budget_bytes=budget, **coef)
+    auto = run_chunks(
+        chunk_call(TORCH, hidden, case.weight, None, labels, auto_opts, budget_bytes=budget, **coef)
+    )
+    fp32 = run_chunks(
+        chunk_call(TORCH, hidden, case.weight, None, labels, fp32_opts, budget_bytes=budget, **coef)
+    )
     assert torch.equal(auto.grad_weight, fp32.grad_weight)

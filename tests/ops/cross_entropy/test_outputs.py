@@ -353,7 +353,7 @@ def test_ignored_tokens_everywhere(gen, device, chunk_rows, backend, pattern):
 def test_two_pass_outputs(gen, device, chunk_rows, monkeypatch, backend, reduction):
     """The two-pass path (token chunks of 5 rows for the loss, vocabulary blocks for grad_W),
     with class weights, label smoothing and token scaling."""
-    vocab_passes = record_calls(monkeypatch, chunked, "_vocab_pass", lambda a, k, r: 1)
+    vocab_passes = record_calls(monkeypatch, chunked, "vocab_pass", lambda a, k, r: 1)
     case = make_case(gen, (31,), H, V, device=device, bias=True)
     check_outputs(
         case,
@@ -372,7 +372,7 @@ def test_two_pass_outputs(gen, device, chunk_rows, monkeypatch, backend, reducti
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_pass_forced_by_tuning(gen, device, monkeypatch, backend):
-    vocab_passes = record_calls(monkeypatch, chunked, "_vocab_pass", lambda a, k, r: 1)
+    vocab_passes = record_calls(monkeypatch, chunked, "vocab_pass", lambda a, k, r: 1)
     case = make_case(gen, (2, 11), H, V, device=device, bias=True)
     check_outputs(
         case,

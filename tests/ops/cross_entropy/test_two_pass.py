@@ -4,19 +4,31 @@ grad_W one block at a time. Checked against the fp64 reference in every gradient
 
 import pytest
 import torch
-from op_helpers import BACKENDS, DTYPES, IGNORE_PATTERNS, TOL, call_op, check_parity, make_case, record_calls
+from op_helpers import (
+    BACKENDS,
+    DTYPES,
+    IGNORE_PATTERNS,
+    TOL,
+    call_op,
+    call_rows,
+    check_parity,
+    make_case,
+    record_calls,
+)
 
 from liger_patch.ops.core.tuning import Tuning
+from liger_patch.ops.core.vocab_shard import VocabShard
 from liger_patch.ops.cross_entropy import chunks as chunked
 from liger_patch.ops.cross_entropy.backends import row_backend
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.rows import ce_rows_torch
+from liger_patch.ops.cross_entropy.vocab_parallel import shard_backend
 
 
 @pytest.fixture
 def vocab_pass_calls(monkeypatch):
     """Counts the vocabulary passes, so a test knows the two-pass path really ran."""
-    return record_calls(monkeypatch, chunked, "_vocab_pass", lambda args, kwargs, result: 1)
+    return record_calls(monkeypatch, chunked, "vocab_pass", lambda args, kwargs, result: 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -87,10 +99,11 @@ def test_column_block_gradient_matches_the_full_row(gen):
     labels[3] = -100
     coef = torch.rand(12, generator=gen)
     full = torch.empty_like(logits)
-    _, lse = ce_rows_torch(logits, labels, opts, grad=full, coef_ce=coef, coef_z=coef)
+    _, lse = call_rows(ce_rows_torch, logits, labels, opts, grad=full, coef_ce=coef, coef_z=coef)
     for v0, v1 in ((0, 7), (7, 19), (19, 30)):
         block = torch.empty(12, v1 - v0)
-        ce, lse_out = ce_rows_torch(
+        ce, lse_out = call_rows(
+            ce_rows_torch,
             logits[:, v0:v1],
             labels,
             opts,
@@ -106,17 +119,14 @@ def test_column_block_gradient_matches_the_full_row(gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_column_block_without_lse_is_refused(gen, device, backend):
-    kernel = row_backend(backend, device).row_kernel
+def test_a_shard_row_kernel_without_the_rows_lse_is_refused(gen, device, backend):
+    """A block of columns of wider rows needs the whole rows' log-sum-exp: a row kernel's column
+    block comes with it (``row_io.GivenLse``), and a vocabulary shard's kernel, whose every call is
+    such a block, refuses a call without one."""
+    kernel = shard_backend(row_backend(backend, device), VocabShard(offset=5, vocab=10)).row_kernel
     logits = torch.randn(3, 5, generator=gen).to(device)
     with pytest.raises(ValueError, match="log-sum-exp"):
-        kernel(
-            logits,
-            torch.zeros(3, dtype=torch.long, device=device),
-            LossOptions(),
-            col_offset=5,
-            vocab_total=10,
-        )
+        kernel(logits, torch.zeros(3, dtype=torch.long, device=device), LossOptions())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.core import head_start, validation
+from liger_patch.ops.core import gemm, head_start, validation
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.distillation import triton_chunk as distillation_triton
 from tests.ops.distillation.cases import loss_and_grads, make_case
@@ -55,7 +55,7 @@ def launches(monkeypatch):
         return real_result(self)
 
     monkeypatch.setattr(validation.ValueCheck, "result", result)
-    for module in (distillation_triton, head_start):
+    for module in (distillation_triton, gemm):  # the head start's GEMMs: gemm.chunk_logits
         real = module.chunk_logits
 
         def spy(h, w, *args, real=real, **kwargs):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import _disable_current_modes
 
 import liger_patch as lp
-from liger_patch.ops.core import gemm, head_start
+from liger_patch.ops.core import gemm
 from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.budget import PER_TOKEN_BYTES, SLACK_BYTES, working_bytes
 from liger_patch.ops.core.gemm import gemm_dtype_for
@@ -96,7 +96,7 @@ def logits_calls(monkeypatch):
         return logits, partials
 
     monkeypatch.setattr(distillation_triton, "chunk_logits", counted)
-    monkeypatch.setattr(head_start, "chunk_logits", counted)
+    monkeypatch.setattr(gemm, "chunk_logits", counted)
     return calls
 
 

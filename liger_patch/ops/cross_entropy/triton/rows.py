@@ -20,6 +20,8 @@ the same process can run it on CUDA and, under the interpreter, on CPU tensors. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,15 @@ import triton.language as tl
 from liger_patch import env
 from liger_patch.ops.core.triton.common import fold_partials, jitted, softcap
 from liger_patch.ops.core.tuning import Tuning
-from liger_patch.ops.core.validation import check_column_block, check_row_records
 from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.cross_entropy.row_io import (
+    NO_RECORDS,
+    ChunkRecords,
+    GivenLse,
+    RowGrad,
+    RowOutputs,
+    check_records,
+)
 
 
 def _ce_rows_kernel(
@@ -249,99 +257,156 @@ def ce_rows_triton(
     logits: torch.Tensor,
     labels: torch.Tensor,
     opts: LossOptions,
-    grad: torch.Tensor | None = None,
-    coef_ce: torch.Tensor | None = None,
-    coef_z: torch.Tensor | None = None,
-    lse_in: torch.Tensor | None = None,
-    col_offset: int = 0,
-    vocab_total: int | None = None,
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     *,
-    class_weight: ClassWeight | None = None,
-    outputs: RowOutputs | None = None,
-    entropy_grad: EntropyGrad | None = None,
+    grad: RowGrad | None = None,
+    given: GivenLse | None = None,
+    records: ChunkRecords = NO_RECORDS,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Same contract as ``torch_ce.ce_rows_torch`` (``class_weight``, ``outputs`` and
-    ``entropy_grad`` as ``row_io`` describes them); the launch follows ``opts.tuning``.
+    """Same contract as ``rows.ce_rows_torch`` (the records as ``row_io`` describes them); the
+    launch follows ``opts.tuning``.
 
-    With ``lse_in`` (saved by the forward) pass 1 is skipped and ``(None, lse_in)`` is returned.
-    With ``partials`` (``triton.logits.logits_with_partials``'s, for these logits) pass 1 is
-    replaced by folding them, and ``(ce, lse)`` is returned as usual.
-    ``grad`` may alias ``logits`` element for element (same dtype) or byte for byte with a
-    narrower dtype (a view of the same storage with the same row start); see ``gemm.grad_view``.
+    With ``given`` (the rows' log-sum-exp, saved by the forward) pass 1 is skipped and
+    ``(None, given.lse)`` is returned. With ``partials`` (``logits_with_partials``', for these
+    logits) pass 1 is replaced by folding them, and ``(ce, lse)`` is returned as usual.
+    ``grad.out`` may alias ``logits`` element for element (same dtype) or byte for byte with a
+    narrower dtype (a view of the same storage with the same row start; ``gemm.grad_view``).
     Partials carry the unweighted sum of z, so they are refused with class weights and label
     smoothing together.
     """
     rows, vocab = logits.shape
-    check_column_block(vocab, col_offset, vocab_total, lse_in is not None)
-    check_row_records(lse_in is not None, outputs, class_weight, vocab_total or vocab)
-    if partials is not None and class_weight is not None and opts.label_smoothing != 0.0:
+    vocab_total = vocab if given is None else (given.vocab_total or vocab)
+    check_records(records, given is not None, vocab_total)
+    if partials is not None and records.class_weight is not None and opts.label_smoothing != 0.0:
         raise ValueError(
             "partials carry the unweighted sum of the logits: not with class weights and label smoothing"
         )
     if rows == 0:
         return logits.new_zeros(0), logits.new_zeros(0)
-    interpret = env.triton_interpret()
-    block, warps = launch_config(vocab, opts.tuning, interpret)
-    compute_grad = grad is not None
-    has_lse = lse_in is not None
-    if partials is not None and (has_lse or col_offset or (vocab_total or vocab) != vocab):
+    _check_layout(logits, grad, given, partials, vocab_total)
+    args = _KernelTensors.of(logits, labels, grad, given, records, partials)
+    _launch(logits, args, opts, given)
+    if records.outputs is not None:
+        written = (args.argmax, args.entropy, args.token_scale)
+        for mine, theirs in zip(records.outputs.tensors(), written, strict=True):
+            if mine is not None and theirs is not mine:
+                mine.copy_(theirs)
+    return (None, args.lse_in) if given is not None else (args.ce, args.lse)
+
+
+def _check_layout(
+    logits: torch.Tensor,
+    grad: RowGrad | None,
+    given: GivenLse | None,
+    partials: tuple | None,
+    vocab_total: int,
+) -> None:
+    """Partials only for whole rows computed from scratch, unit column strides, and partials of
+    one row per logits row."""
+    rows, vocab = logits.shape
+    if partials is not None and (given is not None or vocab_total != vocab):
         raise ValueError(
             "partials replace the log-sum-exp pass over whole rows: not with lse_in or a column block"
         )
-    if logits.stride(1) != 1 or (grad is not None and grad.stride(1) != 1):
+    if logits.stride(1) != 1 or (grad is not None and grad.out.stride(1) != 1):
         raise ValueError("logits and grad must have unit column stride (rows may be strided)")
-    # The kernel indexes every per-row vector by row: strided or expanded views would be misread.
-    labels, coef_ce, coef_z, lse_in = (
-        None if t is None else t.contiguous() for t in (labels, coef_ce, coef_z, lse_in)
-    )
-    pmax, psum, pz = partials if partials is not None else (None, None, None)
-    n_parts = 0 if pmax is None else pmax.shape[1]
+    pmax = None if partials is None else partials[0]
     if pmax is not None and (pmax.shape[0] != rows or not pmax.is_contiguous()):
         raise ValueError(f"partials must be contiguous ({rows}, tiles); got {tuple(pmax.shape)}")
-    cw = cw_total = None
-    if class_weight is not None:
-        cw = class_weight.weight.contiguous()
-        cw_total = class_weight.total.to(device=logits.device, dtype=torch.float32).reshape(())
-    argmax = entropy = token_scale = None
-    if outputs is not None:
-        argmax = _row_output(outputs.argmax, rows, torch.int64, "argmax")
-        entropy = _row_output(outputs.entropy, rows, torch.float32, "entropy")
-        token_scale = _row_output(outputs.token_scale, rows, torch.float32, "token_scale")
-    eg_coef = eg_entropy = None
-    if entropy_grad is not None and compute_grad:  # without a gradient it has nothing to add to
-        eg_coef = entropy_grad.coef.to(torch.float32).contiguous()
-        eg_entropy = entropy_grad.entropy.to(torch.float32).contiguous()
-    records = (cw, cw_total, argmax, entropy, token_scale, eg_coef, eg_entropy)
-    ce = lse = None
-    if not has_lse:
-        ce = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+
+
+@dataclass(frozen=True, slots=True)
+class _KernelTensors:
+    """The kernel's tensor arguments, each ``None`` where unused: the per-row vectors made
+    contiguous (the kernel indexes them by row: strided or expanded views would be misread), the
+    partials, the results it writes (ce and lse, the per-row outputs: ``_row_output``) and the
+    records' tensors in fp32. ``grad`` is ``RowGrad.out``."""
+
+    labels: torch.Tensor
+    grad: torch.Tensor | None
+    coef_ce: torch.Tensor | None
+    coef_z: torch.Tensor | None
+    lse_in: torch.Tensor | None
+    partials: tuple
+    ce: torch.Tensor | None
+    lse: torch.Tensor | None
+    cw: torch.Tensor | None
+    cw_total: torch.Tensor | None
+    argmax: torch.Tensor | None
+    entropy: torch.Tensor | None
+    token_scale: torch.Tensor | None
+    eg_coef: torch.Tensor | None
+    eg_entropy: torch.Tensor | None
+
+    @classmethod
+    def of(cls, logits, labels, grad, given, records, partials) -> _KernelTensors:  # noqa: PLR0913
+        rows, device = logits.shape[0], logits.device
+        labels, coef_ce, coef_z, lse_in = (
+            None if t is None else t.contiguous()
+            for t in (
+                labels,
+                None if grad is None else grad.coef_ce,
+                None if grad is None else grad.coef_z,
+                None if given is None else given.lse,
+            )
+        )
+        cw = cw_total = None
+        if records.class_weight is not None:
+            cw = records.class_weight.weight.contiguous()
+            cw_total = records.class_weight.total.to(device=device, dtype=torch.float32).reshape(())
+        out = records.outputs
+        eg_coef = eg_entropy = None
+        if records.entropy_grad is not None and grad is not None:  # without a gradient: nothing to add to
+            eg_coef = records.entropy_grad.coef.to(torch.float32).contiguous()
+            eg_entropy = records.entropy_grad.entropy.to(torch.float32).contiguous()
+        new = given is None  # ce and lse are written unless the lse is given
+        return cls(
+            labels=labels,
+            grad=None if grad is None else grad.out,
+            coef_ce=coef_ce,
+            coef_z=coef_z,
+            lse_in=lse_in,
+            partials=(None, None, None) if partials is None else tuple(partials),
+            ce=torch.empty(rows, dtype=torch.float32, device=device) if new else None,
+            lse=torch.empty(rows, dtype=torch.float32, device=device) if new else None,
+            cw=cw,
+            cw_total=cw_total,
+            argmax=_row_output(out, "argmax", rows, torch.int64),
+            entropy=_row_output(out, "entropy", rows, torch.float32),
+            token_scale=_row_output(out, "token_scale", rows, torch.float32),
+            eg_coef=eg_coef,
+            eg_entropy=eg_entropy,
+        )
+
+
+def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: GivenLse | None) -> None:
+    """One program per row of ``logits``, with the launch ``opts.tuning`` gives."""
+    rows, vocab = logits.shape
+    block, warps = launch_config(vocab, opts.tuning, env.triton_interpret())
+    compute_grad = t.grad is not None
+    pmax, psum, pz = t.partials
+    n_parts = 0 if pmax is None else pmax.shape[1]
     grad_aliases_wider = (
         compute_grad
-        and grad.element_size() < logits.element_size()
-        and grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        and t.grad.element_size() < logits.element_size()
+        and t.grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
     )
     dummy = logits  # unused pointer arguments still need a tensor
     jitted(_ce_rows_kernel)[(rows,)](
         logits,
-        grad if compute_grad else dummy,
-        labels,
-        coef_ce if compute_grad else dummy,
-        coef_z if compute_grad else dummy,
-        lse_in if has_lse else dummy,
-        pmax if pmax is not None else dummy,
-        psum if psum is not None else dummy,
-        pz if pz is not None else dummy,
+        *(
+            dummy if x is None else x
+            for x in (t.grad, t.labels, t.coef_ce, t.coef_z, t.lse_in, pmax, psum, pz)
+        ),
         n_parts,
-        ce if ce is not None else dummy,
-        lse if lse is not None else dummy,
-        *records,  # None where unused: constexpr, no kernel parameter
+        *(dummy if x is None else x for x in (t.ce, t.lse)),
+        # None where unused: constexpr, no kernel parameter
+        *(t.cw, t.cw_total, t.argmax, t.entropy, t.token_scale, t.eg_coef, t.eg_entropy),
         logits.stride(0),
-        grad.stride(0) if compute_grad else 0,
+        t.grad.stride(0) if compute_grad else 0,
         vocab,
-        col_offset,
-        vocab_total or vocab,
+        0 if given is None else given.col_offset,
+        vocab if given is None else (given.vocab_total or vocab),
         opts.ignore_index,
         opts.scale,
         float(opts.softcap or 1.0),
@@ -350,14 +415,14 @@ def ce_rows_triton(
         HAS_SCALE=opts.logit_scale is not None,
         HAS_SOFTCAP=opts.softcap is not None,
         HAS_SMOOTHING=opts.label_smoothing != 0.0,
-        HAS_LSE=has_lse,
+        HAS_LSE=given is not None,
         HAS_PARTIALS=pmax is not None,
         COMPUTE_GRAD=compute_grad,
-        HAS_CLASS_WEIGHT=cw is not None,
-        WANT_ARGMAX=argmax is not None,
-        WANT_ENTROPY=entropy is not None,
-        HAS_TOKEN_SCALING=token_scale is not None,
-        HAS_ENTROPY_GRAD=eg_coef is not None,
+        HAS_CLASS_WEIGHT=t.cw is not None,
+        WANT_ARGMAX=t.argmax is not None,
+        WANT_ENTROPY=t.entropy is not None,
+        HAS_TOKEN_SCALING=t.token_scale is not None,
+        HAS_ENTROPY_GRAD=t.eg_coef is not None,
         GRAD_ALIASES_WIDER=grad_aliases_wider,
         # In place over wider logits, block k's stores overwrite blocks <= k: forwards only.
         REVERSE_PASS2=opts.tuning.reverse_pass2 and not grad_aliases_wider,
@@ -368,16 +433,12 @@ def ce_rows_triton(
         FOLD_FN=jitted(fold_partials) if pmax is not None else None,
         num_warps=warps,
     )
-    if outputs is not None:
-        for given, written in zip(outputs.tensors(), (argmax, entropy, token_scale), strict=True):
-            if given is not None and written is not given:
-                given.copy_(written)
-    return (None, lse_in) if has_lse else (ce, lse)
 
 
-def _row_output(t: torch.Tensor | None, rows: int, dtype: torch.dtype, name: str) -> torch.Tensor | None:
-    """Where the kernel writes a per-row output: ``t`` itself when it is a contiguous (rows,)
-    tensor of ``dtype``, else a new one that is copied into ``t`` after the launch."""
+def _row_output(outputs: RowOutputs | None, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where the kernel writes the per-row output ``name``: the caller's tensor itself when it is
+    a contiguous (rows,) tensor of ``dtype``, else a new one, copied into it after the launch."""
+    t = None if outputs is None else getattr(outputs, name)
     if t is None:
         return None
     if tuple(t.shape) != (rows,):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from op_helpers import DTYPES, IGNORE_PATTERNS, TOL, check_parity, make_case, record_calls
+from op_helpers import DTYPES, IGNORE_PATTERNS, TOL, call_rows, check_parity, make_case, record_calls
 
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import chunks as chunked
@@ -33,16 +33,15 @@ def fused_calls(monkeypatch):
     """Row counts of the chunks that went through the fused GEMM (those that came with partials):
     a first chunk begun before the label check (``head_start``) counts once, when it is used."""
     calls = []
-    for module, name in ((chunked, "chunk_logits"), (chunked.head_start, "finish")):
-        real = getattr(module, name)
+    real = chunked._chunk_logits
 
-        def spy(*args, real=real, **kwargs):
-            logits, partials = real(*args, **kwargs)
-            if partials is not None:
-                calls.append(logits.shape[0])
-            return logits, partials
+    def spy(*args, **kwargs):
+        logits, partials = real(*args, **kwargs)
+        if partials is not None:
+            calls.append(logits.shape[0])
+        return logits, partials
 
-        monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(chunked, "_chunk_logits", spy)
     return calls
 
 
@@ -139,7 +138,7 @@ def test_ignored_tokens_in_every_position(gen, device, chunk_rows, fused_calls, 
 def test_two_pass_path_uses_it_for_pass_a(gen, device, chunk_rows, fused_calls, monkeypatch):
     """Pass A (loss, grad_h) takes the fused GEMM; pass B, with the log-sum-exp known, does not."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    vocab_passes = record_calls(monkeypatch, chunked, "_vocab_pass")
+    vocab_passes = record_calls(monkeypatch, chunked, "vocab_pass")
     tuned = chunk_rows(16, 64, two_pass=True)
     case = make_case(gen, (40,), 16, 64, dtype=dtype, device=device, bias=True)
     check_parity(case, gen, tol=TOL[dtype], backend="triton", label_smoothing=0.1, **tuned)
@@ -177,6 +176,13 @@ def test_row_kernel_refuses_partials_it_cannot_use(device):
     labels = torch.zeros(4, dtype=torch.long, device=device)
     parts = (torch.zeros(4, 2, device=device), torch.ones(4, 2, device=device), None)
     with pytest.raises(ValueError, match="partials"):
-        ce_rows_triton(logits, labels, LossOptions(), lse_in=torch.zeros(4, device=device), partials=parts)
+        call_rows(
+            ce_rows_triton,
+            logits,
+            labels,
+            LossOptions(),
+            lse_in=torch.zeros(4, device=device),
+            partials=parts,
+        )
     with pytest.raises(ValueError, match="partials"):
-        ce_rows_triton(logits, labels, LossOptions(), partials=(parts[0][:3], parts[1][:3], None))
+        call_rows(ce_rows_triton, logits, labels, LossOptions(), partials=(parts[0][:3], parts[1][:3], None))

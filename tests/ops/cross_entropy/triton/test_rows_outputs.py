@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_helpers import call_rows
 
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy.options import LossOptions
@@ -78,7 +79,7 @@ def _run(fn, logits, labels, opts, *, grad=None, outputs=(), in_place=False, **k
         g = logits
     elif grad is not None:
         g = torch.full(logits.shape, float("nan"), dtype=grad, device=logits.device)
-    ce, lse = fn(logits, labels, opts, grad=g, outputs=out, **kwargs)
+    ce, lse = call_rows(fn, logits, labels, opts, grad=g, outputs=out, **kwargs)
     return {
         "ce": ce,
         "lse": lse,
@@ -256,7 +257,7 @@ def test_column_blocks_with_lse_in(gen, device, smoothing):
     cw = _class_weight(gen, vocab, device)
     coef_ce, coef_z = _coefs(gen, device)
     eg = _entropy_grad(gen, device)
-    _, lse = ce_rows_torch(logits, labels, opts)
+    _, lse = call_rows(ce_rows_torch, logits, labels, opts)
     kw = dict(coef_ce=coef_ce, coef_z=coef_z, class_weight=cw, entropy_grad=eg, lse_in=lse)
     full = _compare(logits, labels, opts, grad=torch.float32, **kw)[1]["grad"]  # whole rows, with lse_in
     pieces = []
@@ -406,8 +407,8 @@ def test_outputs_in_strided_buffers(gen, device):
         torch.empty(ROWS, device=device),
         torch.empty(ROWS, device=device),
     )
-    ce_rows_triton(logits, labels, LossOptions(), outputs=out)
-    ce_rows_torch(logits, labels, LossOptions(), outputs=ref)
+    call_rows(ce_rows_triton, logits, labels, LossOptions(), outputs=out)
+    call_rows(ce_rows_torch, logits, labels, LossOptions(), outputs=ref)
     for name, r in zip(ALL_OUTPUTS, ref.tensors(), strict=True):
         _assert_same({name: buffers[name][::2]}, {name: r})
         untouched = buffers[name][1::2]
@@ -419,7 +420,7 @@ def test_refused(gen, device):
     logits = _logits(gen, vocab, torch.float32, device)
     labels = _labels(gen, vocab, device)
     cw = _class_weight(gen, vocab, device)
-    lse = ce_rows_torch(logits, labels, LossOptions())[1]
+    lse = call_rows(ce_rows_torch, logits, labels, LossOptions())[1]
     parts = (
         torch.zeros(ROWS, 2, device=device),
         torch.ones(ROWS, 2, device=device),
@@ -427,10 +428,11 @@ def test_refused(gen, device):
     )
     smoothing = LossOptions(label_smoothing=0.1)
     with pytest.raises(ValueError, match="class weights and label smoothing"):
-        ce_rows_triton(logits, labels, smoothing, partials=parts, class_weight=cw)
+        call_rows(ce_rows_triton, logits, labels, smoothing, partials=parts, class_weight=cw)
     for fn in (ce_rows_torch, ce_rows_triton):
         with pytest.raises(ValueError, match="lse_in"):
-            fn(
+            call_rows(
+                fn,
                 logits,
                 labels,
                 LossOptions(),
@@ -438,11 +440,14 @@ def test_refused(gen, device):
                 outputs=RowOutputs(entropy=torch.empty(ROWS, device=device)),
             )
         with pytest.raises(ValueError, match="class weights"):
-            fn(logits, labels, LossOptions(), class_weight=ClassWeight(cw.weight[:-1], cw.total))
+            call_rows(fn, logits, labels, LossOptions(), class_weight=ClassWeight(cw.weight[:-1], cw.total))
         with pytest.raises(ValueError, match="class weights"):
-            fn(logits, labels, LossOptions(), class_weight=ClassWeight(cw.weight.double(), cw.total))
+            call_rows(
+                fn, logits, labels, LossOptions(), class_weight=ClassWeight(cw.weight.double(), cw.total)
+            )
         with pytest.raises(ValueError, match="class weights"):  # one weight per class of the full rows
-            fn(
+            call_rows(
+                fn,
                 logits[:, :50],
                 labels.clamp(max=49),
                 LossOptions(),
@@ -455,6 +460,10 @@ def test_refused(gen, device):
                 class_weight=ClassWeight(cw.weight[:50], cw.total),
             )
     with pytest.raises(ValueError, match="argmax"):
-        ce_rows_triton(
-            logits, labels, LossOptions(), outputs=RowOutputs(argmax=torch.empty(ROWS + 1, device=device))
+        call_rows(
+            ce_rows_triton,
+            logits,
+            labels,
+            LossOptions(),
+            outputs=RowOutputs(argmax=torch.empty(ROWS + 1, device=device)),
         )
