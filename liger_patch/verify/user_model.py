@@ -95,9 +95,18 @@ def _load_config(spec: str, trust_remote_code: bool) -> Any:
 def _where_tried(spec: str) -> str:
     if os.path.exists(spec):
         return "its config could not be read"
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    offline = _hub_offline()
     hub = "the Hugging Face Hub (offline: HF_HUB_OFFLINE is set)" if offline else "the Hugging Face Hub"
     return f"not a local path, and no config could be fetched for it from {hub}"
+
+
+def _hub_offline() -> bool:
+    """Whether the hub client is in offline mode (it reads ``HF_HUB_OFFLINE`` once, at import)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _reason(error: BaseException) -> str:
