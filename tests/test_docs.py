@@ -121,3 +121,10 @@ def test_the_docs_speak_of_the_software_not_of_how_it_was_made(doc: Path):
     assert not re.findall(r".{0,40}\bsession.{0,40}", text, re.IGNORECASE)
     if doc.name != "perf-notes.md":
         assert not re.findall(r".{0,40}\bitems? \d+.{0,40}", text)
+
+
+def test_the_readme_sends_problems_to_the_tracker_doctor_names():
+    from liger_patch.doctor import ISSUES_URL
+
+    report = README.read_text().split("## Report a problem")[1].split("\n## ")[0]
+    assert ISSUES_URL in report and "python -m liger_patch doctor" in report
