@@ -15,7 +15,6 @@ from collections import Counter
 from liger_patch.verify.verdicts import STATUS_MEANINGS, STATUSES
 
 DOCS = pathlib.Path(__file__).parent
-RESULTS = sorted((DOCS / "results").glob("models-*.json"))
 TARGET = DOCS / "models.md"
 
 INTRO = """\
@@ -67,14 +66,13 @@ def _table(runs: list[dict]) -> list[str]:
     statuses: dict[tuple[str, str], list[str]] = {}
     reasons: dict[tuple[str, str], str] = {}
     classes: dict[tuple[str, str], str] = {}
-    for index, run in enumerate(runs):
+    for index, run in enumerate(runs):  # oldest first: a newer sweep's reason replaces an older one's
         for v in run["verdicts"]:
             key = (v["task"], v["model_type"])
             statuses.setdefault(key, ["—"] * len(runs))[index] = v["status"]
             classes[key] = classes.get(key) or v["class_name"]
-            if v["reason"] and v["status"] != "verified":
-                reasons[key] = v["reason"].replace("|", "\\|").replace("\n", " ")
-    reason = "reason (the newest, when not verified)"
+            reasons[key] = _reason(v)
+    reason = "reason (in the newest sweep that has the type, when not verified there)"
     header = ["task", "model_type", "class", *(_label(run) for run in runs), reason]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for key in sorted(statuses):
@@ -83,14 +81,31 @@ def _table(runs: list[dict]) -> list[str]:
             f"`{key[1]}`",
             f"`{classes[key]}`" if classes[key] else "",
             *statuses[key],
-            reasons.get(key, ""),
+            reasons[key],
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
+def _reason(verdict: dict) -> str:
+    """A verdict's reason for the table: none for a verified type (an older sweep's failure
+    does not describe it any more), else the reason, made safe for a table cell."""
+    if verdict["status"] == "verified" or not verdict["reason"]:
+        return ""
+    return verdict["reason"].replace("|", "\\|").replace("\n", " ")
+
+
+def _newest_last(path: pathlib.Path) -> tuple:
+    """Sort key of a sweep file: by the transformers version it ran (5.9 before 5.17), then name."""
+    from packaging.version import Version
+
+    version = json.loads(path.read_text())["versions"]["transformers"]
+    return Version(version), path.name
+
+
 def render() -> str:
-    runs = [json.loads(path.read_text()) for path in RESULTS]
+    paths = sorted((DOCS / "results").glob("models-*.json"), key=_newest_last)
+    runs = [json.loads(path.read_text()) for path in paths]
     sections = [_intro(), "## Summary", "", *_summary(runs), "", "## Every type", "", *_table(runs), ""]
     return "\n".join(sections)
 

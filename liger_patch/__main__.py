@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         "classify each type as verified, refused (the patch declines it, with the reason) or failed, "
         "or say why there was nothing to compare: unbuildable (no tiny model can be built here), "
         "builder-error (building it raised) or unpatched-fails (the unpatched model fails on its "
-        "own batch). Exit status 1 when any failed.",
+        "own batch). Each line gives the relative errors of the loss and of the worst gradient with "
+        "their tolerances; warnings of the code under test are counted and written to a file. "
+        "Exit status 1 when any type failed, 2 for an unknown model type or a --model that names "
+        "nothing.",
     )
     add_verify_arguments(verify)
     return parser

@@ -1,11 +1,18 @@
 """``python -m liger_patch doctor``: what is installed, which backend runs, and does the op agree
-with an fp64 dense reference here. Exit status 0 when every check passes."""
+with an fp64 dense reference here. Exit status 0 when every check passes.
+
+Its output is what a bug report needs (the README's "Report a problem"): the version of every
+package liger_patch works with, read from the installed distributions' metadata (nothing is
+imported for it: DeepSpeed's import alone takes seconds), and the commit of a checkout.
+"""
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import platform
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,12 +22,70 @@ from liger_patch.ops.budget import BATCH_BUDGET, BATCH_FACTOR, BATCH_RANGE, MiB,
 from liger_patch.ops.fused_linear_ce import fused_linear_cross_entropy
 from liger_patch.ops.reference import reference_flce
 
+ISSUES_URL = "https://github.com/liger-patch/liger-patch/issues"
+"""Where problems are reported; pyproject.toml's ``[project.urls] Issues`` (a test keeps them equal)."""
 
-def _version(module: str) -> str:
+PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch", ("torch",)),
+    ("triton", ("triton", "pytorch-triton", "pytorch-triton-rocm")),
+    ("transformers", ("transformers",)),
+    ("accelerate", ("accelerate",)),
+    ("peft", ("peft",)),
+    ("trl", ("trl",)),
+    ("deepspeed", ("deepspeed",)),
+    ("liger-kernel", ("liger-kernel", "liger-kernel-nightly")),
+)
+"""Every package whose version changes what liger_patch does: the name shown, and the
+distributions that provide it (the first one installed is reported)."""
+
+
+def _version(distributions: tuple[str, ...]) -> str:
+    """The installed version of the first of ``distributions`` there is, else "not installed"."""
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _liger_patch_version() -> str:
+    """This package's version, and the commit when it runs from a git checkout."""
+    from liger_patch import __version__
+
+    commit = _checkout_commit(Path(__file__).resolve().parents[1])
+    return f"{__version__} (commit {commit})" if commit else __version__
+
+
+def _checkout_commit(root: Path) -> str:
+    """``git describe`` of the checkout at ``root`` (``-dirty`` with local changes), or ''."""
+    if not (root / ".git").exists():
+        return ""
     try:
-        return getattr(importlib.import_module(module), "__version__", "installed")
-    except ImportError:
-        return "not installed"
+        done = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _versions_lines() -> list[str]:
+    """One line each: python and the platform, liger_patch, and every package of ``PACKAGES``."""
+    lines = [
+        f"python        {platform.python_version()} ({platform.machine()}, {platform.platform(terse=True)})",
+        f"liger_patch   {_liger_patch_version()}",
+    ]
+    for shown, distributions in PACKAGES:
+        version = _version(distributions)
+        if shown == "torch":
+            cuda = torch.version.cuda or getattr(torch.version, "hip", None) or "no CUDA"
+            version = f"{version} ({'CUDA ' if torch.version.cuda else ''}{cuda})"
+        lines.append(f"{shown:<13} {version}")
+    return lines
 
 
 def _budget_line() -> str:
@@ -74,14 +139,16 @@ def self_check(device: torch.device, backend: str) -> tuple[float, float, float]
 
 
 def run_doctor() -> int:
+    """Print the environment, the budget, the backend and the self-check; 0 when all is well."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"python        {platform.python_version()} ({platform.machine()})")
-    print(f"torch         {torch.__version__}")
-    for name in ("triton", "transformers", "accelerate", "peft"):
-        print(f"{name:<13} {_version(name)}")
+    print(f"liger_patch doctor: paste this output into a bug report ({ISSUES_URL})")
+    print("\n".join(_versions_lines()))
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability()
-        print(f"device        cuda: {torch.cuda.get_device_name()} (capability {capability})")
+        count = torch.cuda.device_count()
+        print(
+            f"device        cuda: {torch.cuda.get_device_name()} (capability {capability}), {count} visible"
+        )
     else:
         print("device        cpu (no CUDA device visible)")
     print(

@@ -9,11 +9,17 @@
 # loadgroup` keeps each module whose fixture launches processes on one worker, so that fixture
 # runs once. Every test is bound by the suite's own timeout (pyproject.toml). The header records
 # the commit (GIT_COMMIT where the checkout has no .git), the card and the versions; the last line
-# is pytest's summary.
+# is pytest's summary. SUITE_TIMEOUT=<seconds> interrupts pytest then as Ctrl-C would, so a run
+# cut short still prints its failures and summary (and writes a --junitxml it was given).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-log=${1:-gpu_tests.out}
+log=${1:-/tmp/gpu_tests.out}
 shift || true
+limit=()
+if [[ -n "${SUITE_TIMEOUT:-}" ]]; then
+    limit=(timeout -s INT -k 30 "$SUITE_TIMEOUT")
+fi
+python -c "import xdist" 2>/dev/null || { echo "tests/gpu_suite.sh needs pytest-xdist (pip install pytest-xdist)" >&2; exit 2; }
 workers=${WORKERS:-$(( $(nproc) < 16 ? $(nproc) : 16 ))}
 commit=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown")}
 {
@@ -24,6 +30,7 @@ print("; ".join(f"{p} {m.version(p)}" for p in names if u.find_spec(p)))'
     echo "python -m pytest -q -n $workers --dist loadgroup -rfEs --tb=short $*"
 } | tee "$log"
 set +e
-python -m pytest -q -n "$workers" --dist loadgroup -rfEs --tb=short -p no:cacheprovider "$@" 2>&1 | tee -a "$log"
+"${limit[@]}" python -m pytest -q -n "$workers" --dist loadgroup -rfEs --tb=short -p no:cacheprovider "$@" \
+    2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
 exit "$status"

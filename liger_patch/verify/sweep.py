@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from liger_patch.patching.registry import UnsupportedModelError
 from liger_patch.verify.compare import batch_to, verify_model
 from liger_patch.verify.verdicts import BUILDER_ERROR, FAILED, REFUSED, UNBUILDABLE, Verdict, brief
 
-__all__ = ["sweep", "verify_type"]
+__all__ = ["sweep", "sweep_plan", "verify_built", "verify_type"]
 
 
 def verify_type(
@@ -42,7 +42,14 @@ def verify_type(
     start = time.perf_counter()
     verdict = _refused(model_type, task)
     if verdict is None:
-        verdict = _built_and_checked(model_type, task, dtype, device, seed, options)
+        from liger_patch.verify.models import tiny_model
+
+        def build() -> nn.Module:
+            return tiny_model(model_type, task, seed=seed)
+
+        verdict = verify_built(
+            model_type, task, build, dtype=dtype, device=device, seed=seed, options=options
+        )
     verdict.seconds = round(time.perf_counter() - start, 3)
     return verdict
 
@@ -65,20 +72,24 @@ def _refused(model_type: str, task: str) -> Verdict | None:
     return None
 
 
-def _built_and_checked(
+def verify_built(
     model_type: str,
     task: str,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    seed: int,
-    options: dict[str, Any] | None,
+    build: Callable[[], nn.Module],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
 ) -> Verdict:
-    """A tiny model and its batch built, then :func:`verify_model`; or why they could not be."""
+    """The model ``build()`` makes (a tiny fp32 CPU model: its batch is built for it there) and
+    its batch, moved to ``device`` and ``dtype``, then :func:`verify_model`; or, when building
+    either raises, **unbuildable** / **builder-error** with the reason. Used for a type of the
+    sweep and for a user's own architecture (``verify --model``)."""
     from liger_patch.verify.batches import example_batch
-    from liger_patch.verify.models import tiny_model
 
     try:
-        model = tiny_model(model_type, task, seed=seed)  # the batch is built for it in fp32 on CPU
+        model = build()
         batch = batch_to(example_batch(model, seed=seed), torch.device(device), dtype)
         model.to(device=device, dtype=dtype)
     except Exception as error:  # any failure to build is a reason to report, not a crash
@@ -105,6 +116,23 @@ def _checked(model: nn.Module, batch: dict[str, Any], seed: int, options: dict[s
         return Verdict("", "", FAILED, reason=brief(error), class_name=type(model).__name__)
 
 
+def sweep_plan(
+    model_types: Iterable[str] | None = None, tasks: Iterable[str] = TASKS
+) -> list[tuple[str, str]]:
+    """The ``(task, model_type)`` pairs :func:`sweep` checks, in its order: every type the
+    installed transformers maps for each task, or only those of ``model_types`` (a name no task
+    maps is left out: the caller says so, see ``verify.cli``)."""
+    from liger_patch.verify.models import model_types as mapped_types
+
+    wanted_names = None if model_types is None else set(model_types)
+    return [
+        (task, model_type)
+        for task in tasks
+        for model_type in mapped_types(task)
+        if wanted_names is None or model_type in wanted_names
+    ]
+
+
 def sweep(
     model_types: Iterable[str] | None = None,
     tasks: Iterable[str] = TASKS,
@@ -114,26 +142,19 @@ def sweep(
     progress: Any = None,
     options: dict[str, Any] | None = None,
 ) -> list[Verdict]:
-    """:func:`verify_type` for every (task, model_type) of the installed transformers, or for
-    ``model_types`` only. A class mapped by both tasks is run once and reported for both;
-    ``progress(verdict)`` is called after each."""
-    from liger_patch.verify.models import model_types as mapped_types
-
+    """:func:`verify_type` for every pair of :func:`sweep_plan`. A class mapped by both tasks is
+    run once and reported for both; ``progress(verdict)`` is called after each."""
     verdicts, by_class = [], {}
-    for task in tasks:
-        wanted = mapped_types(task)
-        if model_types is not None:
-            wanted = [mt for mt in wanted if mt in set(model_types)]
-        for model_type in wanted:
-            key = _class_key(model_type, task)
-            if key in by_class:
-                verdict = dataclasses.replace(by_class[key], model_type=model_type, task=task)
-            else:
-                verdict = verify_type(model_type, task, dtype=dtype, device=device, options=options)
-                by_class[key] = verdict
-            verdicts.append(verdict)
-            if progress is not None:
-                progress(verdict)
+    for task, model_type in sweep_plan(model_types, tasks):
+        key = _class_key(model_type, task)
+        if key in by_class:
+            verdict = dataclasses.replace(by_class[key], model_type=model_type, task=task)
+        else:
+            verdict = verify_type(model_type, task, dtype=dtype, device=device, options=options)
+            by_class[key] = verdict
+        verdicts.append(verdict)
+        if progress is not None:
+            progress(verdict)
     return verdicts
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "REFUSED",
     "STATUSES",
     "STATUS_MEANINGS",
+    "STATUS_SUMMARIES",
     "UNBUILDABLE",
     "UNPATCHED_FAILS",
     "VERIFIED",
@@ -53,6 +54,16 @@ STATUS_MEANINGS: dict[str, str] = {
 """Every status, in the order summaries list them, and what it means."""
 
 STATUSES = tuple(STATUS_MEANINGS)
+
+STATUS_SUMMARIES: dict[str, str] = {
+    VERIFIED: "patched equals unpatched, loss and every gradient",
+    REFUSED: "the patch declines the type, with a reason (nothing fused)",
+    FAILED: "patched differs from unpatched, or raised",
+    UNBUILDABLE: "no tiny model can be built here (a package or download missing)",
+    BUILDER_ERROR: "building the tiny model raised (the factory's gap, not the patch's)",
+    UNPATCHED_FAILS: "the unpatched model itself fails on its batch",
+}
+"""Each status in a few words, for the summary table (``STATUS_MEANINGS`` says it in full)."""
 
 
 @dataclass(frozen=True)
