@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from liger_patch import env
-from liger_patch.ops.backends import pick
-from liger_patch.ops.budget import BATCH_BUDGET, BATCH_FACTOR, BATCH_RANGE, MiB, resolve_budget
-from liger_patch.ops.fused_linear_ce import fused_linear_cross_entropy
+from liger_patch.ops.core.backends import pick
+from liger_patch.ops.core.budget import BATCH_BUDGET, BATCH_FACTOR, BATCH_RANGE, MiB, resolve_budget
+from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy
 from liger_patch.ops.reference import reference_flce
 
 ISSUES_URL = "https://github.com/liger-patch/liger-patch/issues"

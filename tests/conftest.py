@@ -152,7 +152,7 @@ def chunk_rows():
     nothing once the per-token vectors and slack are taken: an fp32 grad_W never fits.
     `two_pass=True` makes every input with more than `rows + 1` tokens take the two-pass path;
     otherwise it is never taken. chunk_rows(None, V) puts everything in one chunk."""
-    from liger_patch.ops.tuning import Tuning
+    from liger_patch.ops.core.tuning import Tuning
 
     def options(rows, V, two_pass=False):
         forced = (1 << 40) if rows is None else rows

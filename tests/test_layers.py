@@ -273,7 +273,7 @@ def test_a_downward_import_is_not_flagged(tmp_path):
     copy = tmp_path / "liger_patch"
     shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
     mutated = copy / "integrations" / "trainer.py"
-    extra = "from ..patching import apply\nfrom liger_patch import env\nimport liger_patch.ops.budget\n"
+    extra = "from ..patching import apply\nfrom liger_patch import env\nimport liger_patch.ops.core.budget\n"
     mutated.write_text(mutated.read_text(encoding="utf-8") + "\n" + extra, encoding="utf-8")
     assert not [line for line in upward_imports(copy) if "integrations/trainer.py" in line]
 

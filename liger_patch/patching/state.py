@@ -111,7 +111,7 @@ class PatchState:
         """``{"memory_budget": "batch"}`` when neither the patch's options nor
         ``LIGER_MEMORY_BUDGET`` (read now) name a budget, else ``{}``: in a training step the
         head's working memory is sized by the batch so that it stays under what the decoder's
-        backward allocates (``ops.budget.batch_budget``)."""
+        backward allocates (``ops.core.budget.batch_budget``)."""
         if self.options.memory_budget is None and env.memory_budget() is None:
             return {"memory_budget": BATCH_BUDGET}
         return {}

@@ -279,7 +279,7 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
 def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(monkeypatch):
     """With no memory_budget and LIGER_MEMORY_BUDGET unset, the fused loss of a patched forward
     gets "batch" (sized by the hidden states and by one chunk of the call's rows,
-    ops.budget.batch_budget); the environment and an explicit option still win."""
+    ops.core.budget.batch_budget); the environment and an explicit option still win."""
     from liger_patch.ops.core import budget
 
     seen, wholes = [], []
