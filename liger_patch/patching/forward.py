@@ -14,8 +14,12 @@ too) and decides on every call which path runs:
   call, :data:`FORWARD_SETS`). ``logits`` comes back ``None`` (a real ``None``: sentinel objects
   break accelerate's evaluation loop), or real with ``LIGER_RETURN_LOGITS=1`` (read per call).
 * **original** (eval mode, no labels, ``generate``, ``skip_logits=False``, a head that cannot be
-  fused exactly, or a forward that used its logits in a way with no fused counterpart): the
-  unpatched forward runs untouched. The last two say why, once per patch.
+  fused exactly): the unpatched forward runs untouched.
+* **refused on the way**: a forward that uses its logits in a way with no fused counterpart gets
+  the real logits right there (``deferred.py``: made from the captured hidden states, the use
+  applied to them) and goes on with them, so its output is the unpatched one and its body runs
+  once (dropout's random draws, memory and time as unpatched). That patch says why, once, and runs
+  the original path from its next call on.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from liger_patch.patching.causal_loss import causal_lm_loss
 from liger_patch.patching.deferred import replace_deferred
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.lazy import lazy_imports
-from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult, UnfusableLogitsUse
+from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult
 from liger_patch.patching.sharded_head import fused_head_loss
 from liger_patch.patching.state import STATE_ATTR, PatchState
 
@@ -98,6 +102,7 @@ class PatchLoss:
         hidden: torch.Tensor,
         logit_scale: float | None,
         softcap: float | None,
+        bias: torch.Tensor | None,
         request: LossRequest,
     ) -> LossResult:
         per_call = self._per_call_options(request, logit_scale, softcap)
@@ -111,6 +116,7 @@ class PatchLoss:
             request.targets.reshape(-1),
             options=self.state.options,
             num_items_in_batch=num_items_in_batch,
+            extra_bias=bias,
             **per_call,
         )
         if not isinstance(result, tuple):
@@ -156,11 +162,14 @@ def _stock_causal_loss(model: nn.Module) -> bool:
 
 
 def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState) -> Any:
-    """The output with deferred logits replaced (``None``, or real with ``LIGER_RETURN_LOGITS=1``)
-    and ``z_loss`` attached; refused when the forward computed no loss from its logits."""
+    """The output with deferred logits replaced (``None``, or real with ``LIGER_RETURN_LOGITS=1``
+    or when the call was refused) and ``z_loss`` attached; refused when the forward computed no
+    loss from its logits (they come back real, as unpatched)."""
     if call.head_calls and not call.losses:
-        raise UnfusableLogitsUse("its forward called its output projection but computed no loss from it")
-    materialize = env.return_logits()
+        call.refuse("its forward called its output projection but computed no loss from it")
+    if call.refusal is not None:
+        _note_unfusable(model, state, f"{call.refusal} (there is no exact fused counterpart)")
+    materialize = env.return_logits() or call.refusal is not None
     if isinstance(output, dict):  # every ModelOutput
         for key, value in list(output.items()):
             new = replace_deferred(value, materialize)
@@ -274,11 +283,7 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
         if head is None:
             _warn_unfusable_once(self, state, reason)
             return run(self, *args, **kwargs)
-        try:
-            return fused_forward(self, state, run, args, kwargs, path, head, flags)
-        except UnfusableLogitsUse as why:
-            _note_unfusable(self, state, f"{why} (there is no exact fused counterpart)")
-            return run(self, *args, **kwargs)
+        return fused_forward(self, state, run, args, kwargs, path, head, flags)
 
     setattr(liger_forward, ORIGINAL_ATTR, original)
     return liger_forward
