@@ -149,7 +149,7 @@ class DeferredLogits:
         *("__rsub__", "__rtruediv__", "__neg__", "__pos__", "__abs__"),
         *("__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__floordiv__", "__mod__"),
         *("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"),
-        *("__iter__", "__len__", "__float__", "__int__", "__index__", "__setitem__"),
+        *("__float__", "__int__", "__index__", "__setitem__"),
     )
     """Arithmetic, comparisons, conversions and writes: no fused counterpart."""
 
@@ -206,6 +206,16 @@ class DeferredLogits:
 
     def is_floating_point(self) -> bool:
         return True
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __iter__(self) -> Any:
+        """The first (token) dimension's rows, each deferred (ModelOutput tries ``iter`` on a
+        first field that is not a tensor: FSMT's decoder returns its logits so)."""
+        if self.source.logits is not None:
+            return iter(self.materialize())
+        return (self[i] for i in range(self.shape[0]))
 
     def is_contiguous(self, *args: Any, **kwargs: Any) -> bool:
         """True: deferred logits have no layout yet (ProphetNet asks before calling ``.view``)."""

@@ -194,7 +194,7 @@ REFUSED_USES = [
     (lambda x: 1.0 - x, "__rsub__"),
     (lambda x: x + torch.ones(3, 1, 1), "not one constant per vocabulary entry"),
     (lambda x: x + torch.ones(1, 3, 7, V), "more dimensions"),
-    (lambda x: len(x), "__len__"),
+    (lambda x: x.tolist(), "logits.tolist"),
     (lambda x: x * nn.Parameter(torch.tensor(2.0)), "learnable"),
     (lambda x: x / 0.0, "divides the logits by 0.0"),
     (lambda x: x * 0, "finite, non-zero"),
@@ -464,3 +464,14 @@ def test_the_capture_wears_the_registered_modules_face():
     assert [n for n, _ in capture.named_parameters()] == ["0.weight", "0.bias"]
     assert capture.get_submodule("0") is registered[0]
     assert capture(hidden_states()).head is active
+
+
+def test_iterating_the_logits_yields_deferred_rows():
+    """``iter`` and ``len`` are over the first token dimension, as on a tensor; nothing is made
+    (transformers' ModelOutput tries ``iter`` on a first field that is not a tensor)."""
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden = hidden_states()
+    rows = list(capture(hidden))
+    assert len(capture(hidden)) == 3 and len(rows) == 3 and all(isinstance(r, DeferredLogits) for r in rows)
+    assert torch.equal(rows[1].materialize(), head(hidden)[1]) and call.refusal is None
