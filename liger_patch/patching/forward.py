@@ -168,7 +168,9 @@ def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState
     if call.head_calls and not call.losses:
         call.refuse("its forward called its output projection but computed no loss from it")
     if call.refusal is not None:
-        _note_unfusable(model, state, f"{call.refusal} (there is no exact fused counterpart)")
+        _note_unfusable(
+            model, state, f"{call.refusal} (there is no exact fused counterpart){_not_vocab(model)}"
+        )
     materialize = env.return_logits() or call.refusal is not None
     if isinstance(output, dict):  # every ModelOutput
         for key, value in list(output.items()):
@@ -186,6 +188,36 @@ def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState
         for name in OUTPUT_NAMES:  # attributes, the op's outputs (None when not asked for)
             object.__setattr__(output, name, values.get(name))
     return output
+
+
+def _not_vocab(model: nn.Module) -> str:
+    """Where the module ``get_output_embeddings()`` names is not vocabulary-sized (DeBERTa-v2's
+    new head names its transform's dense layer, and multiplies by the embedding's weight itself):
+    the words that say so, for a refusal's reason; else ``""``."""
+    head = _output_module(model)
+    vocab = getattr(_text_config(model), "vocab_size", None)
+    out = getattr(head, "out_features", None)
+    if not isinstance(vocab, int) or not isinstance(out, int) or out == vocab:
+        return ""
+    return (
+        f"; note: the layer get_output_embeddings() names gives {out} outputs, not the vocabulary's "
+        f"{vocab}: the forward makes its logits without an output projection to capture"
+    )
+
+
+def _output_module(model: nn.Module) -> Any:
+    try:
+        return model.get_output_embeddings()
+    except Exception:  # no such method, or one remote code breaks
+        return None
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    try:
+        return config.get_text_config()
+    except Exception:
+        return config
 
 
 def fused_forward(

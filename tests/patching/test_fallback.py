@@ -158,3 +158,23 @@ def _counting(module: nn.Module, calls: dict) -> object:
         return body(module, *args, **kwargs)
 
     return counted
+
+
+def test_a_head_that_is_not_the_projection_is_refused_saying_so():
+    """DeBERTa-v2's non-legacy masked-LM head: ``get_output_embeddings()`` names its transform's
+    dense layer, and the logits are a matmul with the input embedding's weight: refused, equal to
+    unpatched, and the reason says the named layer is not vocabulary-sized."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    config = DebertaV2Config(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, legacy=False)  # fmt: skip
+    torch.manual_seed(0)
+    reference = DebertaV2ForMaskedLM(config).train()
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3, -100)
+    want, _ = step(reference, {"input_ids": ids, "labels": labels}, 4)
+    with pytest.warns(UserWarning, match="gives 32 outputs, not the vocabulary's 300"):
+        got, _ = step(patched, {"input_ids": ids, "labels": labels}, 4)
+    assert torch.equal(got, want)
