@@ -63,11 +63,7 @@ def lm_batch(
     model whose main input is audio) for the encoder and decoder labels of their own; for a
     decoder-only model of an encoder-decoder family (an audio LM), the text batch itself."""
     if task == MASKED_LM and not model.config.is_encoder_decoder:
-        ids = text["input_ids"]
-        labels = masked_labels(ids, gen)
-        if "attention_mask" in text:
-            labels = labels.masked_fill(text["attention_mask"] == 0, -100)
-        return {**text, "labels": labels}
+        return _masked_batch(model, gen, text)
     if _takes_audio(model):
         batch, length = audio_inputs(model, gen, batch_size), TARGET_LEN
     elif model.config.is_encoder_decoder:  # labels as long as the ids: FSMT shifts its ids, not its labels
@@ -76,6 +72,20 @@ def lm_batch(
         return text
     batch["labels"] = _target_labels(model, gen, batch_size, length)
     return batch
+
+
+def _masked_batch(model: nn.Module, gen: torch.Generator, text: dict[str, Any]) -> dict[str, Any]:
+    """The text batch with about 15 % of its positions labelled and their inputs replaced by other
+    ordinary ids (as a masked-LM collator corrupts them: a model that could see its labels would
+    predict them from its inputs, with a loss near 0 that says nothing)."""
+    ids = text["input_ids"]
+    labels = masked_labels(ids, gen)
+    if "attention_mask" in text:
+        labels = labels.masked_fill(text["attention_mask"] == 0, -100)
+    kept = labels != -100
+    noise = random_ids(gen, tuple(ids.shape), vocab_limit(model), special_ids(model.config))
+    corrupted = torch.where(kept & (noise != ids), noise, ids)
+    return {**text, "input_ids": corrupted, "labels": labels}
 
 
 def _takes_audio(model: nn.Module) -> bool:

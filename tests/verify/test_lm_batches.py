@@ -29,7 +29,8 @@ def test_a_masked_lm_batch_labels_a_few_positions():
     batch = example_batch(model, task=MASKED_LM, seq_len=64)
     kept = batch["labels"] != -100
     assert 0 < kept.sum() < 0.4 * kept.numel()
-    assert torch.equal(batch["labels"][kept], batch["input_ids"][kept])
+    # the labelled inputs are corrupted (mostly), as a masked-LM collator does; the others kept
+    assert (batch["labels"][kept] != batch["input_ids"][kept]).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("model_type", ["t5", "bart", "m2m_100"])
