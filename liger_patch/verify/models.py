@@ -89,11 +89,16 @@ def _default_config(model_type: str, cls: type) -> PretrainedConfig:
     raise TinyModelError(f"{model_type}: default config fails: {errors[0]}")
 
 
+COMPOSITE_ENCODERS = {"encoder-decoder": "bert", "speech-encoder-decoder": "wav2vec2"}
+"""The stock encoder of a composite encoder-decoder type (ViT for the others: vision)."""
+
+
 def _encoder_decoder_config(model_type: str) -> PretrainedConfig:
-    """A vision encoder-decoder config from stock parts (ViT encoder, BERT decoder)."""
+    """A composite encoder-decoder config from stock parts: the encoder of its kind (BERT for
+    text, wav2vec 2.0 for speech, ViT for images) and a BERT decoder."""
     from transformers import AutoConfig
 
-    encoder = AutoConfig.for_model("vit")
+    encoder = AutoConfig.for_model(COMPOSITE_ENCODERS.get(model_type, "vit"))
     decoder = AutoConfig.for_model("bert", is_decoder=True, add_cross_attention=True)
     return config_class_of(model_type).from_encoder_decoder_configs(encoder, decoder)
 
