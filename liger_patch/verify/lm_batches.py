@@ -75,13 +75,12 @@ def lm_batch(
 
 
 def _masked_batch(model: nn.Module, gen: torch.Generator, text: dict[str, Any]) -> dict[str, Any]:
-    """The text batch with about 15 % of its positions labelled and their inputs replaced by other
+    """The text batch with about 15 % of its labelled positions kept and their inputs replaced by other
     ordinary ids (as a masked-LM collator corrupts them: a model that could see its labels would
     predict them from its inputs, with a loss near 0 that says nothing)."""
     ids = text["input_ids"]
-    labels = masked_labels(ids, gen)
-    if "attention_mask" in text:
-        labels = labels.masked_fill(text["attention_mask"] == 0, -100)
+    # only where the text batch has a label: not on padding, nor on image placeholders
+    labels = masked_labels(ids, gen).masked_fill(text["labels"] == -100, -100)
     kept = labels != -100
     noise = random_ids(gen, tuple(ids.shape), vocab_limit(model), special_ids(model.config))
     corrupted = torch.where(kept & (noise != ids), noise, ids)
