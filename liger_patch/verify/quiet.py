@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 __all__ = ["Collected", "collected"]
 
 _LOGGERS = ("", "transformers")
-"""The root logger, and transformers', which does not propagate to it."""
+"""The root logger, and transformers', which does not propagate to it once configured."""
 
 
 @dataclass
@@ -56,11 +56,19 @@ class Collected:
 
 
 class _Handler(logging.Handler):
+    """Adds each record to the sink once. It sits on the root logger and on transformers', which
+    propagates to the root until transformers configures it (or after ``enable_propagation()``),
+    so one record can reach it twice, one logger after the other."""
+
     def __init__(self, sink: Collected) -> None:
         super().__init__(logging.WARNING)
         self.sink = sink
+        self._last: logging.LogRecord | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record is self._last:
+            return
+        self._last = record
         self.sink.add(record.name.split(".")[0] or "root", record.getMessage())
 
 

@@ -127,7 +127,13 @@ def test_the_summary_is_a_table_of_statuses_by_task():
     )
 
 
-def test_collected_hides_warnings_and_log_records_and_writes_them_down(capfd, tmp_path):
+@pytest.mark.parametrize("propagate", [False, True], ids=["configured", "propagating"])
+def test_collected_hides_warnings_and_log_records_and_writes_them_down(
+    capfd, tmp_path, monkeypatch, propagate
+):
+    """Each message once, whether or not transformers' logger propagates to the root (it does
+    until transformers configures it, which depends on what ran before)."""
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", propagate)
     loggers = [logging.getLogger(), logging.getLogger("transformers")]
     handlers = [list(logger.handlers) for logger in loggers]
     with collected() as sink:
@@ -189,6 +195,8 @@ def test_a_sweep_counts_its_warnings_on_one_line_and_shows_progress(capsys, monk
         return verdicts
 
     monkeypatch.setattr(cli, "sweep", fake_sweep)
+    # propagating, as before transformers configures its logger: each record reaches two handlers
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
     status, out, err = run(capsys, "llama", "qwen3", "--task", CAUSAL_LM)
     assert status == 0 and "noise" not in out + err
     assert [bar.total for bar in RecordingBar.made] == [2] and RecordingBar.made[0].updates == 2
