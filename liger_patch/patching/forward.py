@@ -248,8 +248,21 @@ def fused_forward(
         if swap_loss:
             delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
     if not call.head_calls:
-        _note_unfusable(model, state, "its forward never called its output projection (the loss is its own)")
+        _note_unfusable(model, state, _never_called(parent, name, path, call))
     return _finish(model, output, call, state)
+
+
+def _never_called(parent: nn.Module, name: str, path: str, call: CapturedCall) -> str:
+    """Why a forward that never called its output projection cannot be fused: its own loss, or
+    (it read the projection's weight) logits its own code makes from that weight, e.g.
+    MobileBERT's head multiplying by the decoder's weight concatenated with another layer's."""
+    if not call.weight_reads:
+        return f"its forward never called its output projection ({path}; the loss is its own)"
+    return (
+        f"its forward never called its output projection ({path}) but read its weight: "
+        f"{type(parent).__name__}.forward makes the logits from {name}.weight itself (a product "
+        "with it, or with a matrix built from it), so there is no head call to capture"
+    )
 
 
 def _note_unfusable(model: nn.Module, state: PatchState, reason: str) -> None:

@@ -71,17 +71,20 @@ class DeferredLoss(Protocol):
 class CapturedCall:
     """One fused forward: what computes its losses, and what happened.
 
-    ``head_calls`` counts calls of the captured head, ``losses`` the losses taken from its
-    deferred logits; ``z_losses`` collects every loss's z-loss term and ``outputs`` holds the other
-    outputs of the last loss. ``refusal`` is the first use of its logits that had no fused
-    counterpart (its real logits were made for it); a ``strict`` call raises
-    :class:`UnfusableLogitsUse` there instead (a caller that runs the model's own path itself).
+    ``head_calls`` counts calls of the captured head, ``weight_reads`` reads of its ``weight``
+    through the capture (code that makes the logits from the weight itself, when it never calls
+    the head), ``losses`` the losses taken from its deferred logits; ``z_losses`` collects every
+    loss's z-loss term and ``outputs`` holds the other outputs of the last loss. ``refusal`` is
+    the first use of its logits that had no fused counterpart (its real logits were made for it);
+    a ``strict`` call raises :class:`UnfusableLogitsUse` there instead (a caller that runs the
+    model's own path itself).
     """
 
     compute_loss: DeferredLoss
     strict: bool = False
     refusal: str | None = None
     head_calls: int = 0
+    weight_reads: int = 0
     losses: int = 0
     z_losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -178,3 +178,39 @@ def test_a_head_that_is_not_the_projection_is_refused_saying_so():
     with pytest.warns(UserWarning, match="gives 32 outputs, not the vocabulary's 300"):
         got, _ = step(patched, {"input_ids": ids, "labels": labels}, 4)
     assert torch.equal(got, want)
+
+
+def test_a_head_whose_weight_is_used_but_never_called_is_refused_naming_who_uses_it():
+    """MobileBERT's prediction head multiplies by its decoder's weight concatenated with another
+    layer's and never calls the decoder: refused, equal to unpatched with dropout on, and the
+    reason names the module that makes the logits from the weight. A forward that neither calls
+    nor reads its head says the loss is its own."""
+    from transformers import MobileBertConfig, MobileBertForMaskedLM
+
+    config = MobileBertConfig(vocab_size=300, hidden_size=64, embedding_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=64, intra_bottleneck_size=32,
+                              true_hidden_size=32, hidden_dropout_prob=0.3)  # fmt: skip
+    torch.manual_seed(0)
+    reference = MobileBertForMaskedLM(config).train()
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3, -100)
+    want, want_grads = step(reference, {"input_ids": ids, "labels": labels}, 4)
+    made_by = "MobileBertLMPredictionHead.forward makes the logits from decoder.weight"
+    with pytest.warns(UserWarning, match=made_by):
+        got, grads = step(patched, {"input_ids": ids, "labels": labels}, 4)
+    assert torch.equal(got, want)
+    assert all(torch.equal(grad, want_grads[name]) for name, grad in grads.items())
+    assert "cls.predictions.decoder" in patch_state(patched).unfusable_reason
+
+    class OwnLossLM(TinyMlpForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids).last_hidden_state
+            return CausalLMOutput(loss=hidden.pow(2).mean(), logits=hidden)
+
+    own = OwnLossLM(TinyMlpConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1)).train()
+    lp.apply_liger_to(own)
+    own_loss = r"never called its output projection \(lm_head; the loss is its own\)"
+    with pytest.warns(UserWarning, match=own_loss):
+        own(**batch())

@@ -129,7 +129,7 @@ NAMED = {
     (MASKED_LM, "bert"): (VERIFIED, ""),
     (MASKED_LM, "xlm-roberta"): (VERIFIED, ""),
     (MASKED_LM, "modernbert"): (VERIFIED, ""),
-    (MASKED_LM, "mobilebert"): (REFUSED, "never called its output projection"),
+    (MASKED_LM, "mobilebert"): (REFUSED, "MobileBertLMPredictionHead.forward makes the logits from decoder"),
     (MASKED_LM, "perceiver"): (REFUSED, "get_output_embeddings() returns no submodule"),
 }
 # Types transformers 4.57 does not have: named from the version that added them.
