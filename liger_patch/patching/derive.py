@@ -13,7 +13,8 @@ served exactly at all:
 
 A row registered with ``register_model`` wins over derivation. Anything that does not fit is
 refused with the reason, never patched on a guess; a forward that later uses its logits in a
-way with no exact fused counterpart falls back to its original path and says why.
+way with no exact fused counterpart goes on with its real logits (made there, its body run once),
+says why, and runs its original path from then on.
 """
 
 from __future__ import annotations
