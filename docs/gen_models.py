@@ -20,9 +20,14 @@ TARGET = DOCS / "models.md"
 INTRO = """\
 # Models
 
-Every causal-LM and image-text-to-text model type of transformers, and what the verification
-sweep found for it. A type needs no registry row to be patched: its spec is derived from the
-model (`liger_patch/patching/derive.py`). The statuses (`liger_patch/verify/verdicts.py`):
+Every model type of transformers with a vocabulary head, and what the verification sweep found
+for it, by family (the auto mapping that names its class): **causal-lm** and
+**image-text-to-text** (decoders and vision-language models), **seq2seq-lm** (encoder-decoders:
+T5, mT5, BART, mBART, Marian, NLLB / M2M-100, Pegasus, ...), **speech-seq2seq** (Whisper,
+Speech2Text, Moonshine, SeamlessM4T, ...) and **masked-lm** (BERT, RoBERTa, XLM-R, DeBERTa,
+ModernBERT, ...). A type needs no registry row to be patched: its spec is derived from the model
+(`liger_patch/patching/derive.py`), and `apply_liger_to("<model_type>")` patches its class in
+every family. The statuses (`liger_patch/verify/verdicts.py`):
 
 {statuses}
 

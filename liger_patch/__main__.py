@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify",
         help="patched vs unpatched training step for every model type, or your own (--model)",
-        description="Build a tiny random model of each causal-LM and image-text-to-text type of the "
-        "installed transformers (or of your own architecture with --model), run one training step "
+        description="Build a tiny random model of each causal-LM, image-text-to-text, seq2seq-LM, "
+        "speech-seq2seq and masked-LM type of the installed transformers (or of your own "
+        "architecture with --model), run one training step "
         "unpatched and patched from the same weights, compare the loss and every gradient, and "
         "classify each type as verified, refused (the patch declines it, with the reason) or failed, "
         "or say why there was nothing to compare: unbuildable (no tiny model can be built here), "

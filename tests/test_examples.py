@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"tiny_trl.py"}  # imported by the TRL examples, not run on its own
+HELPERS = {"tiny_trl.py", "tiny_families.py"}  # imported by the examples, not run on their own
 EXAMPLES = sorted(path for path in (ROOT / "examples").glob("*.py") if path.name not in HELPERS)
 # Packages an example needs beyond the `test` extra, with how to get them.
 TRL = ("trl", 'trl is not installed (pip install -e ".[examples]")')

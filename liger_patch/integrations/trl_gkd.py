@@ -174,7 +174,7 @@ def _captured(trainer: Any, model: nn.Module) -> Iterator[CapturedCall]:
     """``model``'s output projection captured for the block: calling it returns deferred logits."""
     base = base_model_of(trainer.accelerator.unwrap_model(model))
     head, _, path = _capturable_head(trainer, model)
-    call = CapturedCall(compute_loss=_no_loss)
+    call = CapturedCall(compute_loss=_no_loss, strict=True)  # a refused use raises: TRL's own loss runs
     parent_path, _, name = path.rpartition(".")
     parent = base.get_submodule(parent_path) if parent_path else base
     registered = parent._modules[name]

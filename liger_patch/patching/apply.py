@@ -1,10 +1,13 @@
 """``apply_liger_to`` / ``revert_liger`` / ``liger_patched``: putting the generic forward in place.
 
 Patching an *instance* sets ``model.forward`` on that instance only (its class and every other
-model are untouched). Patching a *class* (or a ``model_type`` string, which names one class or
-two: its causal-LM and its image-text-to-text class) replaces ``cls.forward``, so every instance
-made later is patched. Which spec serves a model (a registry row, else one derived from the
-model) is ``derive.py``'s decision. Either way the object gets a
+model are untouched). Patching a *class* replaces ``cls.forward``, so every instance made later
+is patched; a ``model_type`` string patches every class with a vocabulary head that transformers
+maps it to (its causal-LM, image-text-to-text, seq2seq-LM, speech-seq2seq and masked-LM class:
+``"bert"`` is ``BertLMHeadModel`` and ``BertForMaskedLM``), and says which on the
+``liger_patch`` logger (a class it cannot patch is named in a warning, with the reason). Which
+spec serves a model (a registry row, else one derived from the model) is ``derive.py``'s
+decision. Either way the object gets a
 :class:`~liger_patch.patching.state.PatchState` recording the options and what was there
 before, which is how a second apply stays a no-op wrapper-wise and how ``revert_liger``
 restores the exact original. A patched instance also gets its own ``__reduce_ex__``, so that
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -22,7 +26,13 @@ from typing import Any, TypeVar
 import torch.nn as nn
 
 from liger_patch.ops.cross_entropy.options import LossOptions, options_docstring, options_parameters
-from liger_patch.patching.derive import instance_refusal, spec_for, spec_for_model_type
+from liger_patch.patching.derive import (
+    classes_by_task,
+    instance_refusal,
+    model_type_refusals,
+    spec_for,
+    spec_for_model_type,
+)
 from liger_patch.patching.forward import FORWARD_SETS, is_liger_forward, make_liger_forward, set_by_forward
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.instance import (
@@ -44,6 +54,8 @@ __all__ = [
 ]
 
 Target = TypeVar("Target", nn.Module, type, str)
+
+logger = logging.getLogger("liger_patch")
 
 _AFTER_APPLY: list[Callable[[], None]] = []
 
@@ -164,20 +176,40 @@ def _resolve(target: Any) -> list[tuple[Any, ModelSpec]]:
     """``(object to patch, spec)`` pairs for ``target``; :class:`UnsupportedModelError` with the
     reason when it cannot be patched."""
     if isinstance(target, str):
-        return spec_for_model_type(target)
+        pairs = spec_for_model_type(target)
+        _say_which(target, [cls for cls, _ in pairs])
+        return pairs
     if isinstance(target, type):
         return [(target, spec_for(target))]
     model = base_model_of(target)
     return [(model, _instance_spec(model))]
 
 
+def _say_which(model_type: str, classes: list[type]) -> None:
+    """Log the classes a model_type string patches, each with its family; warn naming those it
+    maps to but cannot patch, with the reason."""
+    families: dict[type, list[str]] = {}
+    for task, cls in classes_by_task(model_type).items():
+        families.setdefault(cls, []).append(task)
+    named = ", ".join(f"{cls.__name__} ({', '.join(families.get(cls, ['registered']))})" for cls in classes)
+    logger.info("liger_patch: apply_liger_to(%r) patches %s", model_type, named)
+    for cls, reason in model_type_refusals(model_type).items():
+        if cls not in classes:
+            warnings.warn(
+                f"{reason} apply_liger_to({model_type!r}) leaves it unpatched.", UserWarning, stacklevel=4
+            )
+
+
 def apply_liger_to(target: Target, *, strict: bool = True, **options: Any) -> Target:
-    """Swap a causal LM's head + cross-entropy for the fused linear cross-entropy.
+    """Swap a model's vocabulary head + cross-entropy for the fused linear cross-entropy.
 
     ``target`` may be a model instance (also PEFT-wrapped or ``torch.compile``-d: the base model
-    is patched), a ``*ForCausalLM`` class (every instance made later is patched) or a
-    ``model_type`` string such as ``"llama"`` (its transformers class is patched). Applying again
-    only updates the options. Returns ``target`` unchanged in identity.
+    is patched), a model class with a vocabulary head (``*ForCausalLM``,
+    ``*ForConditionalGeneration``, ``*ForMaskedLM``, ...: every instance made later is patched)
+    or a ``model_type`` string such as ``"llama"`` or ``"t5"`` (every such class transformers maps
+    it to is patched: causal LM, image-text-to-text, seq2seq LM, speech seq2seq, masked LM; which
+    ones is logged on the ``liger_patch`` logger, and a class it cannot patch is named in a
+    warning). Applying again only updates the options. Returns ``target`` unchanged in identity.
 
     With ``strict=True`` an architecture without a registry row raises
     :class:`UnsupportedModelError`; with ``strict=False`` it warns and leaves the model as is.

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.patching.deferred import DeferredLogits
-from liger_patch.patching.seam import CapturedCall, UnfusableLogitsUse
+from liger_patch.patching.deferred import DeferredLogits, HeadCall
+from liger_patch.patching.seam import CapturedCall
 
 __all__ = ["HeadCapture"]
 
@@ -23,8 +23,10 @@ class HeadCapture(nn.Module):
     reads every other attribute off it (``in_features``, ``out_features``, a custom head's own
     fields, properties and methods), reports its class to ``isinstance``, and raises the same
     ``AttributeError`` for a name the module lacks. Only calling it differs; a call it cannot
-    defer (extra arguments) is refused with :class:`UnfusableLogitsUse`. The module stays
-    registered where it was outside the call; the capture lives for the call only.
+    defer (extra arguments) is refused: the replaced module computes it (``CapturedCall.refuse``
+    records why). The module stays registered where it was outside the call; the capture lives
+    for the call only. Real logits made from deferred ones come from the replaced module too, as
+    the model's own call would.
     """
 
     def __init__(self, head: nn.Module, call: CapturedCall, replaced: nn.Module | None = None) -> None:
@@ -45,6 +47,7 @@ class HeadCapture(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # code such as ``hidden.to(self.lm_head.weight.dtype)``
+        self._call.weight_reads += 1  # (a forward that never calls the head says why with it)
         return self._head.weight
 
     @property
@@ -59,11 +62,12 @@ class HeadCapture(nn.Module):
             return super().__getattr__(name)
         return getattr(replaced, name)
 
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> DeferredLogits:
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> DeferredLogits | torch.Tensor:
         if args or kwargs:
-            raise UnfusableLogitsUse("it calls its output projection with extra arguments")
+            self._call.refuse("it calls its output projection with extra arguments")
+            return self._replaced(hidden, *args, **kwargs)
         self._call.head_calls += 1
-        return DeferredLogits(self._call, self._head, hidden)
+        return DeferredLogits(self._call, self._head, hidden, source=HeadCall(self._replaced, hidden))
 
     def _get_name(self) -> str:
         return "HeadCapture"

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from liger_patch.patching.deferred import DeferredLogits
-from liger_patch.patching.seam import LossRequest, UnfusableLogitsUse
+from liger_patch.patching.deferred import DeferredLogits, fused_or_real
+from liger_patch.patching.lazy import lazy_imports
+from liger_patch.patching.seam import LossRequest
 
 __all__ = ["causal_lm_loss"]
 
@@ -27,21 +28,23 @@ def causal_lm_loss(
 
     Position t predicts token t+1: labels are shifted left by one and the last position gets
     ``ignore_index``; ``shift_labels`` (already shifted, e.g. by context parallelism) wins.
-    ``num_items_in_batch`` divides the sum, as there, and 0 of them gives 0, not NaN.
+    ``num_items_in_batch`` divides the sum, as there, and 0 of them gives 0, not NaN. What has no
+    fused counterpart is transformers' own loss on the real logits.
     """
-    if not isinstance(logits, DeferredLogits):
-        from transformers.loss.loss_utils import ForCausalLMLoss
 
-        return ForCausalLMLoss(
-            logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
-        )
+    def real_loss(real: torch.Tensor) -> torch.Tensor:
+        stock = lazy_imports()["causal_lm_loss"]  # transformers' ForCausalLMLoss
+        return stock(real, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+
+    if not isinstance(logits, DeferredLogits) or logits.source.logits is not None:
+        return real_loss(logits if not isinstance(logits, DeferredLogits) else logits.materialize())
     if vocab_size is not None and vocab_size != logits.shape[-1]:
-        raise UnfusableLogitsUse(
+        reason = (
             f"its loss reads vocab_size={vocab_size} but the head gives {logits.shape[-1]} logits per token"
         )
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.to(logits.device)
+        return real_loss(logits.real(reason))
+    shifted = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shifted.to(logits.device)
     if targets.numel() * logits.shape[-1] != logits.numel():
         raise ValueError(
             f"liger_patch: labels give {targets.numel()} targets but the model produced "
@@ -49,11 +52,10 @@ def causal_lm_loss(
             "cover the kept positions"
         )
     flat = logits.view(-1, logits.shape[-1])
-    return flat.loss(
-        LossRequest(
-            targets=targets.reshape(-1),
-            ignore_index=ignore_index,
-            reduction="mean",
-            num_items_in_batch=num_items_in_batch,
-        )
+    request = LossRequest(
+        targets=targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction="mean",
+        num_items_in_batch=num_items_in_batch,
     )
+    return fused_or_real(flat, request, lambda _: real_loss(logits.materialize()))

@@ -13,12 +13,14 @@ served exactly at all:
 
 A row registered with ``register_model`` wins over derivation. Anything that does not fit is
 refused with the reason, never patched on a guess; a forward that later uses its logits in a
-way with no exact fused counterpart falls back to its original path and says why.
+way with no exact fused counterpart goes on with its real logits (made there, its body run once),
+says why, and runs its original path from then on.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch.nn as nn
 
@@ -35,11 +37,16 @@ __all__ = [
     "CAUSAL_LM",
     "IMAGE_TEXT_TO_TEXT",
     "KNOWN_MISMATCHES",
+    "MASKED_LM",
+    "SEQ2SEQ_LM",
+    "SPEECH_SEQ2SEQ",
     "TASKS",
+    "classes_by_task",
     "classes_for_model_type",
     "derived_spec",
     "instance_refusal",
     "mapped_model_types",
+    "model_type_refusals",
     "spec_for",
     "spec_for_model_type",
     "supported_models",
@@ -47,10 +54,19 @@ __all__ = [
 
 CAUSAL_LM = "causal-lm"
 IMAGE_TEXT_TO_TEXT = "image-text-to-text"
-TASKS = (CAUSAL_LM, IMAGE_TEXT_TO_TEXT)
+SEQ2SEQ_LM = "seq2seq-lm"
+SPEECH_SEQ2SEQ = "speech-seq2seq"
+MASKED_LM = "masked-lm"
+TASKS = (CAUSAL_LM, IMAGE_TEXT_TO_TEXT, SEQ2SEQ_LM, SPEECH_SEQ2SEQ, MASKED_LM)
+"""The families of models with a vocabulary head: every auto mapping of transformers whose classes
+take ``labels`` and end in one (decoder-only and vision-language, encoder-decoder, speech
+encoder-decoder, masked LM). A model_type string names its class in each of them."""
 _MAPPINGS = {
     CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     IMAGE_TEXT_TO_TEXT: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    SEQ2SEQ_LM: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    SPEECH_SEQ2SEQ: "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    MASKED_LM: "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
 }
 
 KNOWN_MISMATCHES: dict[str, str] = {}
@@ -68,16 +84,28 @@ def mapped_model_types(task: str) -> dict[str, str]:
     return dict(getattr(modeling_auto, _MAPPINGS[task], {}))
 
 
-def classes_for_model_type(model_type: str) -> list[type]:
-    """The classes the installed transformers maps ``model_type`` to (causal LM first, then
-    image-text-to-text), without duplicates; empty when it maps none."""
+def classes_by_task(model_type: str) -> dict[str, type]:
+    """task -> the class the installed transformers maps ``model_type`` to under it, in
+    :data:`TASKS` order (a task that maps it to none is left out)."""
     import transformers
 
-    classes: list[type] = []
+    found: dict[str, type] = {}
     for task in TASKS:
         name = mapped_model_types(task).get(model_type)
+        if isinstance(name, (tuple, list)):
+            name = name[0]
         cls = getattr(transformers, name, None) if name else None
-        if isinstance(cls, type) and cls not in classes:
+        if isinstance(cls, type):
+            found[task] = cls
+    return found
+
+
+def classes_for_model_type(model_type: str) -> list[type]:
+    """The classes the installed transformers maps ``model_type`` to (in :data:`TASKS` order:
+    causal LM first), without duplicates; empty when it maps none."""
+    classes: list[type] = []
+    for cls in classes_by_task(model_type).values():
+        if cls not in classes:
             classes.append(cls)
     return classes
 
@@ -121,7 +149,9 @@ def spec_for(cls: type) -> ModelSpec:
 
 def spec_for_model_type(model_type: str) -> list[tuple[type, ModelSpec]]:
     """``(class, spec)`` for each class ``model_type`` names (a row registered under it names
-    its own class); :class:`UnsupportedModelError` when it names none."""
+    its own class) that can be patched; :class:`UnsupportedModelError` when it names none, or
+    when none of them can be (with each one's reason). :func:`model_type_refusals` says which of
+    its classes were left out, and why."""
     row = row_for_model_type(model_type)
     if row is not None and row.class_name:
         import transformers
@@ -135,10 +165,31 @@ def spec_for_model_type(model_type: str) -> list[tuple[type, ModelSpec]]:
 
         raise UnsupportedModelError(
             f"liger_patch: the installed transformers {transformers.__version__} maps model_type "
-            f"{model_type!r} to no causal-LM or image-text-to-text class. Register your class with "
-            "liger_patch.register_model(YourClass, liger_patch.ModelSpec(...)), or patch the model instance."
+            f"{model_type!r} to no class with a vocabulary head ({', '.join(TASKS)}). Register your "
+            "class with liger_patch.register_model(YourClass, liger_patch.ModelSpec(...)), or patch "
+            "the model instance."
         )
-    return [(cls, spec_for(cls)) for cls in classes]
+    pairs, refusals = [], []
+    for cls in classes:
+        try:
+            pairs.append((cls, spec_for(cls)))
+        except UnsupportedModelError as refusal:
+            refusals.append(str(refusal))
+    if not pairs:
+        raise UnsupportedModelError(" ".join(refusals))
+    return pairs
+
+
+def model_type_refusals(model_type: str) -> dict[type, str]:
+    """class -> why it cannot be patched, for each class ``model_type`` names that
+    :func:`spec_for_model_type` leaves out."""
+    refusals = {}
+    for cls in classes_for_model_type(model_type):
+        try:
+            spec_for(cls)
+        except UnsupportedModelError as refusal:
+            refusals[cls] = str(refusal)
+    return refusals
 
 
 def instance_refusal(model: nn.Module, spec: ModelSpec) -> str | None:
@@ -159,26 +210,47 @@ def instance_refusal(model: nn.Module, spec: ModelSpec) -> str | None:
     return None
 
 
-def supported_models(*, derived: bool = True) -> dict[str, ModelSpec]:
+def supported_models(*, derived: bool = True, by_family: bool = False) -> dict[str, Any]:
     """model_type -> spec for every model this installation can patch (a copy).
 
     Registered rows come first and win; with ``derived=True`` (the default) every model_type the
-    installed transformers maps to a causal-LM or image-text-to-text class follows, when a spec
-    derives for it (``spec.derived`` tells the two apart). Deriving imports each class once
-    (a few seconds). ``docs/models.md`` lists which of them the verification sweep proved.
+    installed transformers maps to a class with a vocabulary head (:data:`TASKS`: causal LM,
+    image-text-to-text, seq2seq LM, speech seq2seq, masked LM) follows, when a spec derives for
+    it (``spec.derived`` tells the two apart; a type of several families gets its first family's
+    class). With ``by_family=True``: family -> {model_type -> spec of that family's class}, every
+    class a model_type string patches. Deriving imports each class once (seconds).
+    ``docs/models.md`` lists which of them the verification sweep proved.
     """
+    rows = registered_rows()
+    if not derived:
+        return rows
+    families = {task: _derived_family(task, rows) for task in TASKS}
+    if by_family:
+        return families
+    specs = dict(rows)
+    for family in families.values():
+        for model_type, spec in family.items():
+            specs.setdefault(model_type, spec)
+    return specs
+
+
+def _derived_family(task: str, rows: dict[str, ModelSpec]) -> dict[str, ModelSpec]:
+    """model_type -> spec of its ``task`` class, for each type whose class a spec serves (its
+    row's, when the row names that class)."""
     import transformers
 
-    specs = registered_rows()
-    if not derived:
-        return specs
-    for task in TASKS:
-        for model_type, class_name in sorted(mapped_model_types(task).items()):
-            cls = getattr(transformers, class_name, None)
-            if model_type in specs or not isinstance(cls, type):
-                continue
-            try:
-                specs[model_type] = derived_spec(cls)
-            except UnsupportedModelError:
-                continue
-    return specs
+    family = {}
+    for model_type, class_name in sorted(mapped_model_types(task).items()):
+        name = class_name[0] if isinstance(class_name, (tuple, list)) else class_name
+        cls = getattr(transformers, name, None)
+        if not isinstance(cls, type):
+            continue
+        row = rows.get(model_type)
+        if row is not None and row.class_name in ("", name):
+            family[model_type] = row
+            continue
+        try:
+            family[model_type] = spec_for(cls)
+        except UnsupportedModelError:
+            continue
+    return family

@@ -14,8 +14,12 @@ too) and decides on every call which path runs:
   call, :data:`FORWARD_SETS`). ``logits`` comes back ``None`` (a real ``None``: sentinel objects
   break accelerate's evaluation loop), or real with ``LIGER_RETURN_LOGITS=1`` (read per call).
 * **original** (eval mode, no labels, ``generate``, ``skip_logits=False``, a head that cannot be
-  fused exactly, or a forward that used its logits in a way with no fused counterpart): the
-  unpatched forward runs untouched. The last two say why, once per patch.
+  fused exactly): the unpatched forward runs untouched.
+* **refused on the way**: a forward that uses its logits in a way with no fused counterpart gets
+  the real logits right there (``deferred.py``: made from the captured hidden states, the use
+  applied to them) and goes on with them, so its output is the unpatched one and its body runs
+  once (dropout's random draws, memory and time as unpatched). That patch says why, once, and runs
+  the original path from its next call on.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from liger_patch.patching.causal_loss import causal_lm_loss
 from liger_patch.patching.deferred import replace_deferred
 from liger_patch.patching.head import fusable_head, unfusable_head_message
 from liger_patch.patching.lazy import lazy_imports
-from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult, UnfusableLogitsUse
+from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult
 from liger_patch.patching.sharded_head import fused_head_loss
 from liger_patch.patching.state import STATE_ATTR, PatchState
 
@@ -98,6 +102,7 @@ class PatchLoss:
         hidden: torch.Tensor,
         logit_scale: float | None,
         softcap: float | None,
+        bias: torch.Tensor | None,
         request: LossRequest,
     ) -> LossResult:
         per_call = self._per_call_options(request, logit_scale, softcap)
@@ -111,6 +116,7 @@ class PatchLoss:
             request.targets.reshape(-1),
             options=self.state.options,
             num_items_in_batch=num_items_in_batch,
+            extra_bias=bias,
             **per_call,
         )
         if not isinstance(result, tuple):
@@ -156,11 +162,16 @@ def _stock_causal_loss(model: nn.Module) -> bool:
 
 
 def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState) -> Any:
-    """The output with deferred logits replaced (``None``, or real with ``LIGER_RETURN_LOGITS=1``)
-    and ``z_loss`` attached; refused when the forward computed no loss from its logits."""
+    """The output with deferred logits replaced (``None``, or real with ``LIGER_RETURN_LOGITS=1``
+    or when the call was refused) and ``z_loss`` attached; refused when the forward computed no
+    loss from its logits (they come back real, as unpatched)."""
     if call.head_calls and not call.losses:
-        raise UnfusableLogitsUse("its forward called its output projection but computed no loss from it")
-    materialize = env.return_logits()
+        call.refuse("its forward called its output projection but computed no loss from it")
+    if call.refusal is not None:
+        _note_unfusable(
+            model, state, f"{call.refusal} (there is no exact fused counterpart){_not_vocab(model)}"
+        )
+    materialize = env.return_logits() or call.refusal is not None
     if isinstance(output, dict):  # every ModelOutput
         for key, value in list(output.items()):
             new = replace_deferred(value, materialize)
@@ -177,6 +188,36 @@ def _finish(model: nn.Module, output: Any, call: CapturedCall, state: PatchState
         for name in OUTPUT_NAMES:  # attributes, the op's outputs (None when not asked for)
             object.__setattr__(output, name, values.get(name))
     return output
+
+
+def _not_vocab(model: nn.Module) -> str:
+    """Where the module ``get_output_embeddings()`` names is not vocabulary-sized (DeBERTa-v2's
+    new head names its transform's dense layer, and multiplies by the embedding's weight itself):
+    the words that say so, for a refusal's reason; else ``""``."""
+    head = _output_module(model)
+    vocab = getattr(_text_config(model), "vocab_size", None)
+    out = getattr(head, "out_features", None)
+    if not isinstance(vocab, int) or not isinstance(out, int) or out == vocab:
+        return ""
+    return (
+        f"; note: the layer get_output_embeddings() names gives {out} outputs, not the vocabulary's "
+        f"{vocab}: the forward makes its logits without an output projection to capture"
+    )
+
+
+def _output_module(model: nn.Module) -> Any:
+    try:
+        return model.get_output_embeddings()
+    except Exception:  # no such method, or one remote code breaks
+        return None
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    try:
+        return config.get_text_config()
+    except Exception:
+        return config
 
 
 def fused_forward(
@@ -207,8 +248,21 @@ def fused_forward(
         if swap_loss:
             delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
     if not call.head_calls:
-        _note_unfusable(model, state, "its forward never called its output projection (the loss is its own)")
+        _note_unfusable(model, state, _never_called(parent, name, path, call))
     return _finish(model, output, call, state)
+
+
+def _never_called(parent: nn.Module, name: str, path: str, call: CapturedCall) -> str:
+    """Why a forward that never called its output projection cannot be fused: its own loss, or
+    (it read the projection's weight) logits its own code makes from that weight, e.g.
+    MobileBERT's head multiplying by the decoder's weight concatenated with another layer's."""
+    if not call.weight_reads:
+        return f"its forward never called its output projection ({path}; the loss is its own)"
+    return (
+        f"its forward never called its output projection ({path}) but read its weight: "
+        f"{type(parent).__name__}.forward makes the logits from {name}.weight itself (a product "
+        "with it, or with a matrix built from it), so there is no head call to capture"
+    )
 
 
 def _note_unfusable(model: nn.Module, state: PatchState, reason: str) -> None:
@@ -274,11 +328,7 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
         if head is None:
             _warn_unfusable_once(self, state, reason)
             return run(self, *args, **kwargs)
-        try:
-            return fused_forward(self, state, run, args, kwargs, path, head, flags)
-        except UnfusableLogitsUse as why:
-            _note_unfusable(self, state, f"{why} (there is no exact fused counterpart)")
-            return run(self, *args, **kwargs)
+        return fused_forward(self, state, run, args, kwargs, path, head, flags)
 
     setattr(liger_forward, ORIGINAL_ATTR, original)
     return liger_forward

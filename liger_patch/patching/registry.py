@@ -92,6 +92,12 @@ BUILTIN_ROWS: tuple[ModelSpec, ...] = (
         notes="get_output_embeddings() returns None; the projection is its text decoder's",
     ),
     ModelSpec(
+        "fsmt",
+        "FSMTForConditionalGeneration",
+        head="model.decoder.output_projection",
+        notes="get_output_embeddings() returns an input embedding; the head is output_projection",
+    ),
+    ModelSpec(
         "nemotron_h_omni",
         "NemotronH_Omni_Reasoning_V3",
         head="language_model.lm_head",

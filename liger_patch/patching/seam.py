@@ -5,7 +5,8 @@ The model's own loss call on deferred logits (transformers' causal-LM loss or ``
 states what it wants as a :class:`LossRequest`. The deferred logits add what they are (the head,
 its input hidden states, and the ``logit_scale`` / ``softcap`` their recorded ops amount to) and
 hand everything, by keyword, to the call's :class:`DeferredLoss`: the patched forward's, which
-adds the patch's options. :class:`CapturedCall` is what the forward reads back afterwards.
+adds the patch's options. :class:`CapturedCall` is what the forward reads back afterwards,
+including why a use of its logits had no fused counterpart (``refusal``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ __all__ = ["CapturedCall", "DeferredLoss", "LossRequest", "LossResult", "Unfusab
 
 
 class UnfusableLogitsUse(RuntimeError):
-    """The model's forward used its logits in a way the fused loss cannot reproduce exactly."""
+    """The model's forward used its logits in a way the fused loss cannot reproduce exactly.
+
+    Raised inside the seam (a loss request that cannot be fused, which its caller answers from the
+    real logits) and by :meth:`CapturedCall.refuse` for a ``strict`` call; a patched forward's
+    call is not strict, so its forward goes on with the real logits."""
 
 
 # Not frozen: torch 2.11's dynamo loses the fields a frozen dataclass's __init__ sets while
@@ -46,8 +51,9 @@ LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
 class DeferredLoss(Protocol):
-    """The loss side of the seam: the fused loss of ``softcap(logit_scale * head(hidden))``
-    (either ``None`` when absent) against ``request``."""
+    """The loss side of the seam: the fused loss of ``softcap(logit_scale * (head(hidden) + bias))``
+    (each ``None`` when absent; ``bias`` a constant ``(V,)`` added to the head's own) against
+    ``request``."""
 
     def __call__(
         self,
@@ -56,6 +62,7 @@ class DeferredLoss(Protocol):
         hidden: torch.Tensor,
         logit_scale: float | None,
         softcap: float | None,
+        bias: torch.Tensor | None,
         request: LossRequest,
     ) -> LossResult: ...
 
@@ -64,16 +71,30 @@ class DeferredLoss(Protocol):
 class CapturedCall:
     """One fused forward: what computes its losses, and what happened.
 
-    ``head_calls`` counts calls of the captured head, ``losses`` the losses taken from its
-    deferred logits; ``z_losses`` collects every loss's z-loss term and ``outputs`` holds the other
-    outputs of the last loss.
+    ``head_calls`` counts calls of the captured head, ``weight_reads`` reads of its ``weight``
+    through the capture (code that makes the logits from the weight itself, when it never calls
+    the head), ``losses`` the losses taken from its deferred logits; ``z_losses`` collects every
+    loss's z-loss term and ``outputs`` holds the other outputs of the last loss. ``refusal`` is
+    the first use of its logits that had no fused counterpart (its real logits were made for it);
+    a ``strict`` call raises :class:`UnfusableLogitsUse` there instead (a caller that runs the
+    model's own path itself).
     """
 
     compute_loss: DeferredLoss
+    strict: bool = False
+    refusal: str | None = None
     head_calls: int = 0
+    weight_reads: int = 0
     losses: int = 0
     z_losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def refuse(self, reason: str) -> None:
+        """Record ``reason`` (the first one stays); a strict call raises it."""
+        if self.strict:
+            raise UnfusableLogitsUse(reason)
+        if self.refusal is None:
+            self.refusal = reason
 
     def record_loss(self, result: LossResult) -> torch.Tensor:
         """Count one loss, keep its z-loss and other outputs; return the loss itself."""

@@ -273,15 +273,36 @@ def check_plain_hidden(hidden: torch.Tensor) -> None:
         )
 
 
-def _op_on_head_tensors(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs: Any):
-    """The op on the head's tensors as they are now: whole (``fused_loss``), or this rank's
-    vocabulary shard (``vocab_parallel_loss``)."""
+def _with_extra_bias(
+    bias: torch.Tensor | None, weight: torch.Tensor, extra: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The head's bias plus a constant the forward adds to its logits (``extra``, rows matching
+    ``weight``'s), in the weight's dtype; the head's bias alone without one."""
+    if extra is None:
+        return bias
+    extra = extra.to(device=weight.device, dtype=weight.dtype)
+    return extra if bias is None else bias + extra
+
+
+def _op_on_head_tensors(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    extra_bias: torch.Tensor | None = None,
+    **loss_kwargs: Any,
+):
+    """The op on the head's tensors as they are now (with ``extra_bias`` added to the head's bias):
+    whole (``fused_loss``), or this rank's vocabulary shard (``vocab_parallel_loss``)."""
     found = vocab_shard(head)
     if found is None:
         weight, bias = gathered_tensors(head)
-        return fused_loss(hidden, weight, labels, bias, **loss_kwargs)
+        return fused_loss(hidden, weight, labels, _with_extra_bias(bias, weight, extra_bias), **loss_kwargs)
     check_plain_hidden(hidden)
-    return vocab_parallel_loss(hidden, found.weight, labels, found.bias, shard=found.shard, **loss_kwargs)
+    if extra_bias is not None:
+        rows = found.shard.offset + torch.arange(found.weight.shape[0], device=extra_bias.device)
+        extra_bias = extra_bias[rows]
+    bias = _with_extra_bias(found.bias, found.weight, extra_bias)
+    return vocab_parallel_loss(hidden, found.weight, labels, bias, shard=found.shard, **loss_kwargs)
 
 
 def call_as_forward(head: nn.Module, hidden: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
@@ -313,9 +334,12 @@ def fused_head_loss(
     *,
     options: LossOptions = DEFAULT_OPTIONS,
     num_items_in_batch: Any = None,
+    extra_bias: torch.Tensor | None = None,
     **overrides: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``fused_loss(hidden, head.weight, labels, head.bias, options=options, ...)``, sharding-aware.
+    """``fused_loss(hidden, head.weight, labels, head.bias, options=options, ...)``, sharding-aware;
+    ``extra_bias`` (``(V,)``, a constant the forward adds to the logits: BART's
+    ``final_logits_bias``) is added to the head's bias.
 
     ``overrides`` are options set for this call only (the op applies them to ``options``). For a
     head whose weight FSDP2 or DeepSpeed ZeRO-3 manages (:func:`head_weight_is_managed`) the loss
@@ -325,7 +349,9 @@ def fused_head_loss(
     local rows; any other head calls the op directly. A PEFT LoRA head (``adapters.py``) runs
     the op on its base layer with its active adapters as the low-rank term.
     """
-    loss_kwargs = dict(options=options, num_items_in_batch=num_items_in_batch, **overrides)
+    loss_kwargs = dict(
+        options=options, num_items_in_batch=num_items_in_batch, extra_bias=extra_bias, **overrides
+    )
     if is_lora_head(head):
         term = low_rank_term(head, hidden)
         head = head.get_base_layer()

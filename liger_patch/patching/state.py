@@ -90,7 +90,8 @@ class PatchState:
     adds what it sets per call: ``forward.FORWARD_SETS``); ``previous_forward`` is what
     ``revert_liger`` puts back (``None`` when the object had no forward of its own);
     ``unfusable_reason`` is set when a forward used its logits in a way with no fused
-    counterpart: this patch then runs the original path. The ``fused_ran`` / ``bypass_*``
+    counterpart (that call went on with its real logits): this patch then runs the original
+    path. The ``fused_ran`` / ``bypass_*``
     fields feed the warning that something computed the loss without the fused op.
     """
 

@@ -1,11 +1,12 @@
 """The verification sweep and its tiny-model factory: ``python -m liger_patch verify``.
 
-For each causal-LM and image-text-to-text model type of the installed transformers (or a user's
-own architecture), a tiny random model is built, and one training step runs unpatched and
-patched from the same weights on the same batch; the loss and every gradient are compared and
-the type gets a status (``verdicts``). This is the command-line layer: it uses ``patching`` and
-nothing below it imports this package. Importing it imports nothing; its modules import
-transformers where they build models.
+For each model type of the installed transformers with a vocabulary head (causal LM,
+image-text-to-text, seq2seq LM, speech seq2seq, masked LM; or a user's own architecture), a tiny
+random model is built, and one training step runs unpatched and patched from the same weights on
+the same batch; the loss and every gradient are compared and the type gets a status
+(``verdicts``). This is the command-line layer: it uses ``patching`` and nothing below it imports
+this package. Importing it imports nothing; its modules import transformers where they build
+models.
 
 The sweep:
 

@@ -12,21 +12,28 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from liger_patch.patching.derive import MASKED_LM, SEQ2SEQ_LM, SPEECH_SEQ2SEQ
 from liger_patch.verify.config_rules import is_int, type_key
 from liger_patch.verify.images import Images, image_inputs
+from liger_patch.verify.lm_batches import lm_batch, task_of
 from liger_patch.verify.models import forward_params, random_ids, special_ids, text_config, vocab_limit
 from liger_patch.verify.sizes import LEFT_PAD
 
 
-def example_batch(model: nn.Module, *, seed: int = 0, batch_size: int = 2, seq_len: int = 16) -> dict:
-    """A deterministic training batch for ``model``.
+def example_batch(
+    model: nn.Module, *, seed: int = 0, batch_size: int = 2, seq_len: int = 16, task: str | None = None
+) -> dict:
+    """A deterministic training batch for ``model`` (of the family ``task``; by default the one
+    whose mapping names its class, ``lm_batches.task_of``).
 
     ``input_ids`` are random ordinary tokens (no special ids), ``labels`` copy them with -100 at
     the first, middle and last position of each row and on image placeholders,
     ``attention_mask`` is ones except for the left padding of the last row. For a
     vision-language model the batch also has the image inputs its forward needs, one image per
     row, with as many placeholder tokens as the vision path yields features (so rows are
-    longer than ``seq_len``). Only arguments the forward accepts are included; tensors are
+    longer than ``seq_len``). An encoder-decoder, speech or masked-LM model gets its family's
+    batch instead (``lm_batches.lm_batch``): decoder labels of their own, audio features, about
+    15 % of the positions labelled. Only arguments the forward accepts are included; tensors are
     float32 / int64 on the model's device.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -40,6 +47,9 @@ def example_batch(model: nn.Module, *, seed: int = 0, batch_size: int = 2, seq_l
         fixup = BATCH_FIXUPS.get(type_key(model.config))
         if fixup is not None:
             fixup(model, batch, gen)
+        task = task or task_of(model)
+        if task in (SEQ2SEQ_LM, SPEECH_SEQ2SEQ, MASKED_LM):
+            batch = lm_batch(model, task, gen, batch_size, seq_len, batch)
     params = forward_params(model)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k in params}
 

@@ -1,13 +1,13 @@
 """``python -m liger_patch verify``: the verification sweep from the command line.
 
-With no arguments every causal-LM and image-text-to-text type of the installed transformers is
-checked, with a progress bar on a terminal; name model types to check only those (``--list``
-prints the names); ``--model`` checks your own architecture (a model directory or hub id with a
-``config.json``, or ``package.module:ClassName``). Prints one line per type (``report.line``: the
-relative errors against their tolerances), then a table of the statuses
-(``verdicts.STATUS_MEANINGS`` says what each means) and one line counting the warnings of the code
-under test, which are written to a file rather than printed (``quiet``). ``--json`` writes the
-verdicts (``docs/gen_models.py`` renders ``docs/models.md`` from such files).
+With no arguments every causal-LM, image-text-to-text, seq2seq-LM, speech-seq2seq and masked-LM
+type of the installed transformers is checked, with a progress bar on a terminal; name model
+types to check only those (``--list`` prints the names); ``--model`` checks your own architecture
+(a model directory or hub id with a ``config.json``, or ``package.module:ClassName``). Prints one
+line per type (``report.line``: the relative errors against their tolerances), then a table of
+the statuses (``verdicts.STATUS_MEANINGS`` says what each means) and one line counting the
+warnings of the code under test, which are written to a file rather than printed (``quiet``).
+``--json`` writes the verdicts (``docs/gen_models.py`` renders ``docs/models.md`` from such files).
 
 Exit status: 0 when no type failed, 1 when any failed, 2 for a bad argument (an unknown model
 type, with the closest known ones; a ``--model`` that names nothing, with what was tried).

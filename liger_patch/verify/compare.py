@@ -45,13 +45,25 @@ def batch_to(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) ->
 def _train_step(model: nn.Module, batch: dict[str, Any], seed: int) -> tuple[Any, torch.Tensor]:
     """``(output, loss)`` of one forward + backward from a fixed RNG state (a forward that draws
     random numbers, e.g. router jitter, then draws the same ones patched and unpatched)."""
-    torch.manual_seed(seed)
+    _seed_all(seed)
     output = model(**batch)
     loss = output.get("loss") if isinstance(output, dict) else output[0]
     if loss is None or not torch.is_tensor(loss):
         raise ValueError(f"{type(model).__name__} returned no loss for a batch with labels")
     loss.backward()
     return output, loss.detach()
+
+
+def _seed_all(seed: int) -> None:
+    """torch's, NumPy's and Python's random state from ``seed`` (SpeechT5 draws its SpecAugment
+    masks with NumPy)."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

@@ -342,11 +342,16 @@ def add_missing_token_ids(tree: dict[str, Any], tokens: TokenIds) -> None:
     """Give a fresh id to placeholder tokens a model needs but its default config leaves unset.
 
     Blip-2 style models match ``image_token_index`` in the ids: left None, no image is placed.
+    An encoder-decoder shifts its labels right into the decoder's inputs, starting from
+    ``decoder_start_token_id`` and writing ``pad_token_id`` for ignored labels (T5's default config
+    in transformers 5 leaves the first to the checkpoint's generation config).
     """
     for sub in sub_dicts(tree):
         names = [*NEEDED_TOKEN_IDS.get(type_key(sub), ())]
         if sub is tree and "vision_config" in tree:
             names += [k for k in ("image_token_id", "image_token_index") if k in sub]
+        if sub is tree and tree.get("is_encoder_decoder"):  # the decoder's first input, from labels
+            names += ["decoder_start_token_id", "pad_token_id"]
         for name in names:
             if sub.get(name) is None:
                 sub[name] = tokens.fresh()

@@ -21,7 +21,7 @@ import torch.nn as nn
 import transformers
 from transformers import PretrainedConfig
 
-from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT, mapped_model_types
+from liger_patch.patching.derive import CAUSAL_LM, IMAGE_TEXT_TO_TEXT, MASKED_LM, mapped_model_types
 from liger_patch.verify.config_rules import TinyModelError, model_type_of, short
 from liger_patch.verify.configs import tiny_config, token_id_values
 from liger_patch.verify.overrides import DEFAULT_KWARGS, NO_TINY_MODEL
@@ -64,7 +64,8 @@ def tiny_model(model_type: str, task: str = CAUSAL_LM, *, seed: int = 0) -> nn.M
     if model_type in NO_TINY_MODEL:
         raise TinyModelError(f"{model_type}: {NO_TINY_MODEL[model_type]}")
     cls = model_class(model_type, task)
-    return tiny_model_from_config(_default_config(model_type, cls), cls, seed=seed)
+    config = _default_config(model_type, cls)
+    return tiny_model_from_config(config, cls, seed=seed, bidirectional=task == MASKED_LM)
 
 
 def _default_config(model_type: str, cls: type) -> PretrainedConfig:
@@ -88,30 +89,50 @@ def _default_config(model_type: str, cls: type) -> PretrainedConfig:
     raise TinyModelError(f"{model_type}: default config fails: {errors[0]}")
 
 
+COMPOSITE_ENCODERS = {"encoder-decoder": "bert", "speech-encoder-decoder": "wav2vec2"}
+"""The stock encoder of a composite encoder-decoder type (ViT for the others: vision)."""
+
+
 def _encoder_decoder_config(model_type: str) -> PretrainedConfig:
-    """A vision encoder-decoder config from stock parts (ViT encoder, BERT decoder)."""
+    """A composite encoder-decoder config from stock parts: the encoder of its kind (BERT for
+    text, wav2vec 2.0 for speech, ViT for images) and a BERT decoder."""
     from transformers import AutoConfig
 
-    encoder = AutoConfig.for_model("vit")
+    encoder = AutoConfig.for_model(COMPOSITE_ENCODERS.get(model_type, "vit"))
     decoder = AutoConfig.for_model("bert", is_decoder=True, add_cross_attention=True)
     return config_class_of(model_type).from_encoder_decoder_configs(encoder, decoder)
 
 
-def tiny_model_from_config(config: PretrainedConfig, cls: type | None = None, *, seed: int = 0) -> nn.Module:
+def tiny_model_from_config(
+    config: PretrainedConfig, cls: type | None = None, *, seed: int = 0, bidirectional: bool = False
+) -> nn.Module:
     """A tiny random model shaped like ``config`` (shrunk), of class ``cls``.
 
     ``cls`` defaults to the causal-LM class of the config's type, or its image-text-to-text
-    class when the config has a ``vision_config``.
+    class when the config has a ``vision_config``. ``bidirectional`` (a masked LM) sets
+    ``is_decoder=False`` on its text config: Reformer's masked LM refuses a decoder config.
     """
     model_type = model_type_of(config)
     if cls is None:
         task = IMAGE_TEXT_TO_TEXT if getattr(config, "vision_config", None) is not None else CAUSAL_LM
         cls = model_class(model_type, task)
     small = _config_for_class(cls, tiny_config(config))
+    if bidirectional:
+        text_config(small).is_decoder = False
     model = _build_or_explain(cls, small, seed, model_type)
+    _random_logits_biases(model, seed)
     if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = model.float()
     return model.train()
+
+
+def _random_logits_biases(model: nn.Module, seed: int) -> None:
+    """Random values in a constant added to the logits that starts at zero (BART's
+    ``final_logits_bias``), so that a patch that dropped it would not match."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, buffer in model.named_buffers():
+        if name.endswith("logits_bias") and buffer.is_floating_point() and not buffer.any():
+            buffer.copy_(torch.randn(buffer.shape, generator=gen))
 
 
 def _build_or_explain(cls: type, config: PretrainedConfig, seed: int, model_type: str) -> nn.Module:

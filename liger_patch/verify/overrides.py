@@ -59,6 +59,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 16,
     },
     "xmod": {"default_language": "en_XX"},
+    # ESM's default leaves its vocabulary to the checkpoint's token list
+    "esm": {"vocab_size": VOCAB, "pad_token_id": 1},
     # hybrids whose layer kinds repeat with a period longer than two layers: one of each
     "jamba": {
         "attn_layer_period": 2,

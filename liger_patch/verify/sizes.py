@@ -223,6 +223,8 @@ INT_CEILINGS: dict[str, int] = {
     "vocab_size": VOCAB,
     "decoder_vocab_size": VOCAB,
     "max_position_embeddings": MAX_POSITIONS,
+    # an audio encoder's positions (Whisper takes exactly twice as many mel frames)
+    "max_source_positions": 64,
     "n_positions": MAX_POSITIONS,
     "n_ctx": MAX_POSITIONS,
     "ssm_state_size": 16,

@@ -1,7 +1,7 @@
 """The verification sweep: :func:`verify_type` for one model type (refused when derivation
 declines its class, else a tiny random model of it, built here, then
-:func:`~liger_patch.verify.compare.verify_model`), :func:`sweep` for every causal-LM and
-image-text-to-text type of the installed transformers.
+:func:`~liger_patch.verify.compare.verify_model`), :func:`sweep` for every causal-LM,
+image-text-to-text, seq2seq-LM, speech-seq2seq and masked-LM type of the installed transformers.
 
 The tiny-model factory is imported on use: it imports transformers, which ``python -m
 liger_patch`` need not pay for its other commands (this module is imported to build the parser).
@@ -74,7 +74,7 @@ def _refused(model_type: str, task: str) -> Verdict | None:
 
 def verify_built(
     model_type: str,
-    task: str,
+    task: str | None,
     build: Callable[[], nn.Module],
     *,
     dtype: torch.dtype = torch.float32,
@@ -85,15 +85,18 @@ def verify_built(
     """The model ``build()`` makes (a tiny fp32 CPU model: its batch is built for it there) and
     its batch, moved to ``device`` and ``dtype``, then :func:`verify_model`; or, when building
     either raises, **unbuildable** / **builder-error** with the reason. Used for a type of the
-    sweep and for a user's own architecture (``verify --model``)."""
+    sweep and for a user's own architecture (``verify --model``, with ``task=None``: the family
+    whose auto mapping names the model's class, ``lm_batches.task_of``, else causal LM)."""
     from liger_patch.verify.batches import example_batch
+    from liger_patch.verify.lm_batches import task_of
 
     try:
         model = build()
-        batch = batch_to(example_batch(model, seed=seed), torch.device(device), dtype)
+        task = task or task_of(model) or CAUSAL_LM
+        batch = batch_to(example_batch(model, seed=seed, task=task), torch.device(device), dtype)
         model.to(device=device, dtype=dtype)
     except Exception as error:  # any failure to build is a reason to report, not a crash
-        return _not_built(model_type, task, error)
+        return _not_built(model_type, task or CAUSAL_LM, error)
     verdict = _checked(model, batch, seed, options)
     verdict.model_type, verdict.task = model_type, task
     return verdict

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from liger_patch.patching.derive import CAUSAL_LM
 from liger_patch.verify.sweep import verify_built
 from liger_patch.verify.verdicts import Verdict, brief
 
@@ -139,6 +138,6 @@ def verify_user_model(
 ) -> Verdict:
     """The verdict for the user's architecture (from :func:`resolve_user_model`)."""
     start = time.perf_counter()
-    verdict = verify_built(user.model_type, CAUSAL_LM, user.build, dtype=dtype, device=device)
+    verdict = verify_built(user.model_type, None, user.build, dtype=dtype, device=device)
     verdict.seconds = round(time.perf_counter() - start, 3)
     return verdict

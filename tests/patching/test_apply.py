@@ -371,7 +371,7 @@ def test_every_option_the_forward_sets_is_set_per_call(monkeypatch):
     real = forward.fused_head_loss
 
     def spy(*args, **kwargs):
-        seen.append(set(kwargs) - {"options", "num_items_in_batch"})
+        seen.append(set(kwargs) - {"options", "num_items_in_batch", "extra_bias"})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(forward, "fused_head_loss", spy)

@@ -3,12 +3,15 @@ fused loss (checked against an fp64 dense reference, gradients included) or refu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.patching.capture import HeadCapture
@@ -182,56 +185,206 @@ def test_token_indexing_and_reshapes_move_to_the_hidden_states():
     )
 
 
+REFUSED_USES = [
+    (lambda x: x[..., :5], "vocabulary|indexes"),
+    (lambda x: x[:, :, :5], "vocabulary"),
+    (lambda x: x.transpose(1, 2), "logits.transpose"),
+    (lambda x: torch.log_softmax(x, 1), "log_softmax over dimension 1"),
+    (lambda x: torch.softmax(x, -1), "softmax"),
+    (lambda x: 1.0 - x, "__rsub__"),
+    (lambda x: x + torch.ones(3, 1, 1), "not one constant per vocabulary entry"),
+    (lambda x: x + torch.ones(1, 3, 7, V), "more dimensions"),
+    (lambda x: x.tolist(), "logits.tolist"),
+    (lambda x: x * nn.Parameter(torch.tensor(2.0)), "learnable"),
+    (lambda x: x / 0.0, "divides the logits by 0.0"),
+    (lambda x: x * 0, "finite, non-zero"),
+    (lambda x: x * float("nan"), "by nan"),
+    (lambda x: x / torch.tensor(float("inf")), "by inf"),
+    (lambda x: x * torch.ones(V), "not a scalar"),
+    (lambda x: x.view(-1), "last dimension"),
+    (lambda x: x.view(3, -1), "last dimension"),
+    (lambda x: x.to("meta"), "moves the logits"),
+    (lambda x: bool(x[0, 0, 0]), "vocabulary"),
+    (lambda x: x.argmax(-1), "logits.argmax"),
+    (
+        lambda x: F.cross_entropy(x.view(-1, V), torch.zeros(21, dtype=torch.long), weight=torch.ones(V)),
+        "weights",
+    ),
+    (lambda x: F.nll_loss(x.view(-1, V), torch.zeros(21, dtype=torch.long)), "not log-probabilities"),
+]
+"""Uses of the logits with no fused counterpart, each with what the refusal's reason names."""
+
+LOSS_TIME_REFUSALS = [
+    (lambda x: torch.tanh(x * 1e300) * 1e300 * 1e300, "finite, non-zero"),
+    (lambda x: torch.tanh(torch.tanh(x)) * 2.0, "twice"),
+    (lambda x: torch.tanh(x) * -2.0, "softcap must be > 0"),
+    (lambda x: torch.tanh(x / 2.0) * 2.0 + 1.0, "after their tanh softcap"),
+    (lambda x: torch.log_softmax(x, -1) * 2.0, "log-probabilities"),
+]
+"""Chains each of whose ops records, but which together have no fused counterpart: refused
+when their loss is asked for."""
+
+
+def same_outcome(got, want) -> None:
+    """``got`` is ``want``: equal tensors (same dtype, device, values), or equal values."""
+    if torch.is_tensor(want):
+        assert torch.is_tensor(got) and (got.dtype, got.device, got.shape) == (
+            want.dtype,
+            want.device,
+            want.shape,
+        )
+        if want.device.type != "meta":
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize(("use", "named"), REFUSED_USES, ids=[n for _, n in REFUSED_USES])
+def test_every_other_use_gets_the_real_logits_and_is_refused_by_name(use, named):
+    """The use is applied to the real logits, made from the captured hidden states (bit for bit
+    what the model's own head gives), and the reason, naming it, is recorded on the call."""
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden = hidden_states()
+    same_outcome(use(capture(hidden)), use(head(hidden)))
+    assert call.refusal is not None and re.search(named, call.refusal), call.refusal
+
+
 @pytest.mark.parametrize(
-    ("use", "named"),
-    [
-        (lambda x: x[..., :5], "vocabulary|indexes"),
-        (lambda x: x[:, :, :5], "vocabulary"),
-        (lambda x: x.transpose(1, 2), "logits.transpose"),
-        (lambda x: torch.log_softmax(x, -1), "log_softmax"),
-        (lambda x: x + 1.0, "__add__"),
-        (lambda x: x - torch.ones(1), "__sub__|sub"),
-        (lambda x: len(x), "__len__"),
-        (lambda x: x * nn.Parameter(torch.tensor(2.0)), "learnable"),
-        (lambda x: x / 0.0, "divides the logits by 0.0"),
-        (lambda x: x * 0, "finite, non-zero"),
-        (lambda x: x * float("nan"), "by nan"),
-        (lambda x: x / torch.tensor(float("inf")), "by inf"),
-        (lambda x: torch.tanh(x * 1e300) * 1e300 * 1e300, "finite, non-zero"),
-        (lambda x: x * torch.ones(V), "not a scalar"),
-        (lambda x: torch.tanh(torch.tanh(x)) * 2.0, "twice"),
-        (lambda x: torch.tanh(x) * -2.0, "softcap must be > 0"),
-        (lambda x: x.view(-1), "last dimension"),
-        (lambda x: x.view(3, -1), "last dimension"),
-        (lambda x: x.to("meta"), "moves the logits"),
-        (lambda x: bool(x), "truth value"),
-        (
-            lambda x: F.cross_entropy(x.view(-1, V), torch.zeros(21, dtype=torch.long), weight=torch.ones(V)),
-            "weights",
-        ),
-    ],
-    ids=lambda value: value if isinstance(value, str) else "",
+    ("use", "named"), REFUSED_USES + LOSS_TIME_REFUSALS, ids=lambda v: v if isinstance(v, str) else ""
 )
-def test_every_other_use_of_the_logits_is_refused_by_name(use, named):
-    capture, _ = make_capture(make_head())
-    deferred = capture(hidden_states())
+def test_a_strict_call_raises_the_refusal_by_name(use, named):
+    """A caller that runs the model's own path itself (TRL's GKD) asks for a strict call."""
+    capture, call = make_capture(make_head())
+    call.strict = True
     with pytest.raises(UnfusableLogitsUse, match=named):
-        result = use(deferred)
+        result = use(capture(hidden_states()))
         if isinstance(result, DeferredLogits):
-            result.loss_math()
+            causal_lm_loss(result, labels_for(), V)
+
+
+@pytest.mark.parametrize(("use", "named"), LOSS_TIME_REFUSALS, ids=[n for _, n in LOSS_TIME_REFUSALS])
+def test_a_chain_with_no_fused_counterpart_takes_its_loss_from_the_real_logits(use, named):
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    loss = causal_lm_loss(use(capture(hidden)), labels, V)
+    expected = ForCausalLMLoss(use(head(hidden)), labels, V)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0, equal_nan=True)
+    assert call.losses == 0
+    assert call.refusal is not None and re.search(named, call.refusal), call.refusal
+
+
+def test_once_made_every_deferred_logits_of_that_head_call_is_real():
+    """After a refused in-place write, a view taken before it and the loss both see the write, as
+    on real logits (Chameleon masks image-token logits so)."""
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+
+    def forward(logits):
+        shifted = logits[:, :-1, :]
+        logits[:, :, 3] = -1e4
+        return shifted, F.cross_entropy(shifted.reshape(-1, V), labels[:, 1:].reshape(-1))
+
+    deferred_view, loss = forward(capture(hidden))
+    want_view, want = forward(head(hidden))
+    assert torch.equal(loss, want) and torch.equal(deferred_view.materialize(), want_view)
+    assert call.losses == 0 and "__setitem__" in call.refusal
 
 
 @pytest.mark.parametrize("operator", DeferredLogits.REFUSED_OPERATORS)
 def test_every_refused_operator_is_refused_by_name(operator):
-    deferred = make_capture(make_head())[0](hidden_states())
+    capture, call = make_capture(make_head())
+    call.strict = True
     with pytest.raises(UnfusableLogitsUse, match=f"it applies {operator} to the logits"):
-        getattr(deferred, operator)(1.0)
+        getattr(capture(hidden_states()), operator)(1.0)
 
 
 def test_vocab_size_other_than_the_head_is_refused():
-    capture, _ = make_capture(make_head())
-    with pytest.raises(UnfusableLogitsUse, match="vocab_size=40"):
-        causal_lm_loss(capture(hidden_states()), labels_for(), 40)
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    with pytest.raises(RuntimeError, match=r"shape '\[-1, 40\]' is invalid"):
+        causal_lm_loss(capture(hidden), labels, 40)
+    assert "vocab_size=40" in call.refusal
+    with pytest.raises(RuntimeError, match=r"shape '\[-1, 40\]' is invalid"):
+        ForCausalLMLoss(head(hidden), labels, 40)  # the same error as unpatched
+
+
+CONSTANT_BIAS_FORMS = {
+    "bart": lambda x, b: x + b.view(1, V),
+    "left": lambda x, b: b + x,
+    "torch_add": lambda x, b: torch.add(x, b),
+    "sub": lambda x, b: x - b,
+    "number": lambda x, b: x + 0.5,
+    "one_value": lambda x, b: x - b[:1],
+    "scaled_before": lambda x, b: (x * 0.5 + b) / 0.25,
+    "then_softcap": lambda x, b: torch.tanh((x + b) / 3.0) * 3.0,
+    "twice": lambda x, b: x + b + b.flip(0),
+}
+
+
+@pytest.mark.parametrize("form", CONSTANT_BIAS_FORMS, ids=str)
+@pytest.mark.parametrize("head_bias", [True, False], ids=["head-bias", "no-head-bias"])
+def test_a_constant_added_to_the_logits_is_the_losss_bias(form, head_bias):
+    """BART's ``lm_logits + final_logits_bias``: the loss's bias, exact against fp64 (the head's
+    own bias too, and a learnable constant's gradient)."""
+    ops = CONSTANT_BIAS_FORMS[form]
+    head = make_head(bias=head_bias)
+    constant = torch.randn(V, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    capture, call = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    loss = causal_lm_loss(ops(capture(hidden), constant), labels, V)
+    loss.backward()
+    assert call.losses == 1 and call.refusal is None
+    c64 = constant.detach().double().requires_grad_()
+    expected, grads = dense_reference(head, hidden, lambda x: ops(x, c64), lambda x: dense_causal(x, labels))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_grads(head, hidden), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    if form != "number":
+        torch.testing.assert_close(constant.grad.double(), c64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_wrong_bias_is_caught():
+    """The planted bug: the constant dropped from the loss makes the fp64 comparison fail."""
+    head = make_head()
+    constant = torch.randn(V, generator=torch.Generator().manual_seed(4))
+    capture, _ = make_capture(head)
+    hidden, labels = hidden_states(), labels_for()
+    deferred = capture(hidden) + constant
+    deferred.ops = deferred.ops[:-1]  # the add forgotten
+    expected, _ = dense_reference(
+        head, hidden, lambda x: x + constant.double(), lambda x: dense_causal(x, labels)
+    )
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(
+            causal_lm_loss(deferred, labels, V).double(), expected, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_log_softmax_then_nll_loss_is_the_cross_entropy():
+    """ProphetNet: ``nll_loss(log_softmax(logits.transpose(0, 1).contiguous().view(-1, V)), t)``."""
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden = hidden_states((2, 3, 7))
+    targets = torch.randint(0, V, (3, 2, 7), generator=torch.Generator().manual_seed(5))
+    targets[0, 0, :2] = -100
+
+    def loss_of(logits):
+        assert logits.is_contiguous()
+        flat = logits.transpose(0, 1).contiguous()
+        lprobs = F.log_softmax(flat.view(-1, flat.size(-1)), dim=-1, dtype=torch.float32)
+        return F.nll_loss(lprobs, targets.view(-1), reduction="mean")
+
+    loss = loss_of(capture(hidden))
+    loss.backward()
+    expected, grads = dense_reference(head, hidden, lambda x: x, loss_of)
+    assert call.losses == 1 and call.refusal is None
+    torch.testing.assert_close(loss.double(), expected.double(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_grads(head, hidden), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_casts_are_recorded_and_replayed():
@@ -311,3 +464,14 @@ def test_the_capture_wears_the_registered_modules_face():
     assert [n for n, _ in capture.named_parameters()] == ["0.weight", "0.bias"]
     assert capture.get_submodule("0") is registered[0]
     assert capture(hidden_states()).head is active
+
+
+def test_iterating_the_logits_yields_deferred_rows():
+    """``iter`` and ``len`` are over the first token dimension, as on a tensor; nothing is made
+    (transformers' ModelOutput tries ``iter`` on a first field that is not a tensor)."""
+    head = make_head()
+    capture, call = make_capture(head)
+    hidden = hidden_states()
+    rows = list(capture(hidden))
+    assert len(capture(hidden)) == 3 and len(rows) == 3 and all(isinstance(r, DeferredLogits) for r in rows)
+    assert torch.equal(rows[1].materialize(), head(hidden)[1]) and call.refusal is None

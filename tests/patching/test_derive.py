@@ -98,7 +98,7 @@ def test_a_forward_using_its_logits_unsupportedly_falls_back_once_naming_the_op(
     reference = copy.deepcopy(model)
     lp.apply_liger_to(model)
     batch = {"input_ids": make_batch()["input_ids"], "labels": make_batch()["input_ids"]}
-    with pytest.warns(UserWarning, match="log_softmax on the logits"):
+    with pytest.warns(UserWarning, match="logits.gather"):
         out = model(**batch)
     torch.testing.assert_close(out.loss, reference(**batch).loss)
     with warnings.catch_warnings():  # said once; the patch now runs the original path directly
@@ -136,3 +136,65 @@ def test_a_vlm_fuses_in_training_and_keeps_the_original_path_for_eval_and_genera
         torch.testing.assert_close(patched(**inputs).logits, reference(**inputs).logits, rtol=0, atol=0)
         kwargs = dict(max_new_tokens=3, do_sample=False)
         assert torch.equal(patched.generate(**inputs, **kwargs), reference.generate(**inputs, **kwargs))
+
+
+def test_a_model_type_string_patches_every_lm_head_class_of_the_type_and_says_which(caplog):
+    """``"bert"`` is BERT's causal LM and its masked LM; ``"t5"`` its seq2seq LM; ``"whisper"``
+    its causal LM and its speech seq2seq class: each patched, and the log names them."""
+    import logging
+
+    expected = {
+        "bert": {"BertLMHeadModel": "causal-lm", "BertForMaskedLM": "masked-lm"},
+        "t5": {"T5ForConditionalGeneration": "seq2seq-lm"},
+        "whisper": {"WhisperForCausalLM": "causal-lm", "WhisperForConditionalGeneration": "speech-seq2seq"},
+        "modernbert": {"ModernBertForMaskedLM": "masked-lm"},
+    }
+    for model_type, classes in expected.items():
+        with caplog.at_level(logging.INFO, logger="liger_patch"):
+            caplog.clear()
+            lp.apply_liger_to(model_type)
+        try:
+            for name, family in classes.items():
+                cls = getattr(transformers, name)
+                assert is_liger_forward(cls.forward), name
+                assert f"{name} ({family}" in caplog.text, caplog.text
+        finally:
+            lp.revert_liger(model_type)
+        assert not any(is_liger_forward(getattr(transformers, name).forward) for name in classes)
+
+
+def test_a_model_type_string_leaves_a_class_it_cannot_patch_and_names_it(monkeypatch):
+    refused = transformers.BertLMHeadModel
+    real = derive.spec_for
+
+    def spec_for(cls):
+        if cls is refused:
+            raise lp.UnsupportedModelError("liger_patch cannot patch BertLMHeadModel: a test says so.")
+        return real(cls)
+
+    monkeypatch.setattr(derive, "spec_for", spec_for)
+    with pytest.warns(UserWarning, match="a test says so. apply_liger_to\\('bert'\\) leaves it unpatched"):
+        lp.apply_liger_to("bert")
+    try:
+        assert is_liger_forward(transformers.BertForMaskedLM.forward)
+        assert not is_liger_forward(refused.forward)
+    finally:
+        lp.revert_liger("bert")
+
+
+def test_an_unknown_model_type_string_is_refused_clearly():
+    with pytest.raises(lp.UnsupportedModelError, match="maps model_type 'no_such_type' to no class"):
+        lp.apply_liger_to("no_such_type")
+
+
+def test_supported_models_lists_every_family():
+    families = lp.supported_models(by_family=True)
+    assert tuple(families) == derive.TASKS
+    assert families["seq2seq-lm"]["t5"].class_name == "T5ForConditionalGeneration"
+    assert families["masked-lm"]["bert"].class_name == "BertForMaskedLM"
+    assert families["speech-seq2seq"]["whisper"].class_name == "WhisperForConditionalGeneration"
+    assert families["causal-lm"]["bert"].class_name == "BertLMHeadModel"
+    flat = lp.supported_models()
+    assert (
+        flat["bert"].class_name == "BertLMHeadModel" and flat["t5"].class_name == "T5ForConditionalGeneration"
+    )

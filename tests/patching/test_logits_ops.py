@@ -19,6 +19,13 @@ CHAINS = {
     "div": lambda x: x / 2.9,
     "tanh": lambda x: torch.tanh(x / 5.0) * 5.0,
     "cast": lambda x: (x * 0.5).to(torch.float64),
+    "add": lambda x: x + torch.linspace(-2.0, 2.0, V),
+    "sub": lambda x: (x * 2.0 - torch.linspace(-2.0, 2.0, V)) / 3.0,
+    "log_softmax": lambda x: torch.log_softmax(x / 2.0, -1),
+    "index": lambda x: x[:, 0:7],
+    "view": lambda x: x.view(7, 3, V).view(3, 7, V),
+    "reshape": lambda x: x.reshape(21, V).reshape(3, 7, V),
+    "transpose": lambda x: x.transpose(0, 1).contiguous().transpose(1, 0),
 }
 
 
