@@ -263,7 +263,7 @@ def _mllama_tiles(model: nn.Module, vision: PretrainedConfig, gen: torch.Generat
 
 
 def _video_frames(model: nn.Module, vision: PretrainedConfig, gen: torch.Generator, batch: int) -> dict:
-    """Video models taking ``(batch, frames, C, H, W)``: a one-frame clip per row."""
+    """Models taking ``(batch, frames or tiles, C, H, W)``: a one-frame clip (one tile) per row."""
     return {"pixel_values": random_pixels(gen, (batch, 1), vision)}
 
 
@@ -287,6 +287,7 @@ IMAGE_LAYOUTS: dict[str, ImageLayout] = {
     "mllama": _mllama_tiles,
     "molmo2": _pooled_crops,
     "nemotron_h_omni": _patch_rows,
+    "perception_lm": _video_frames,
     "pix2struct": _flattened_patches,
     "udop": _plain_pixels,
 }

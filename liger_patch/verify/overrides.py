@@ -89,6 +89,37 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "muse_spark": {"out_hidden_size": 4 * HIDDEN},
     # Mllama concatenates the last layer with the kept intermediate one (one, after the cut)
     "mllama_vision_model": {"vision_output_dim": 2 * HIDDEN},
+    # timm vision towers: TimmWrapperConfig declares no sizes (the rules drop FastVLM's
+    # undeclared hidden_size as derived) and the timm model's are in model_args, which the rules
+    # do not reach; the projector reads hidden_size / model_args["embed_dim"]. A tiny model of
+    # the same timm family instead (TimmWrapperModel builds it with pretrained=False, no
+    # download). FastViT MCi widens its last stage 2x; PerceptionLM's PE ViT keeps its CLS token
+    # and takes the 56 px images of the default 14 px patch (4 x 4 patches).
+    "fast_vlm": {
+        "vision_config.hidden_size": HIDDEN,
+        "vision_config.model_args": {
+            "inference_mode": True,
+            "layers": (1, 1),
+            "embed_dims": (HIDDEN // 4, HIDDEN // 2),
+            "mlp_ratios": (2, 2),
+            "se_downsamples": (False, False),
+            "downsamples": (False, True),
+            "pos_embs": (None, None),
+            "token_mixers": ("repmixer", "repmixer"),
+        },
+    },
+    "perception_lm": {
+        "vision_config.architecture": "vit_pe_core_tiny_patch16_384",
+        "vision_config.model_args": {
+            "embed_dim": HIDDEN,
+            "depth": LAYERS,
+            "num_heads": HEADS,
+            "patch_size": 14,
+            "img_size": 14 * PATCHES_PER_SIDE,
+            "ref_feat_shape": (PATCHES_PER_SIDE, PATCHES_PER_SIDE),
+            "global_pool": "",
+        },
+    },
     # Llama 4's pixel shuffle (ratio 0.5) makes 4 * hidden channels for the adapter MLP
     "llama4_vision_model": {
         "intermediate_size": 4 * HIDDEN,

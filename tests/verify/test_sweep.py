@@ -359,3 +359,14 @@ def test_models_md_rows_verified_in_the_newest_sweep_carry_no_reason():
     rows = [row for row in (ROOT / "docs" / "models.md").read_text().splitlines() if row.startswith(tasks)]
     stale = [row for row in rows if row.split("|")[-3].strip() == VERIFIED and row.split("|")[-2].strip()]
     assert not stale, stale
+
+
+@pytest.mark.parametrize("model_type", ["fast_vlm", "perception_lm"])
+def test_timm_vision_towers_are_built_tiny_and_verified(model_type):
+    """FastVLM's and PerceptionLM's vision towers are timm models, sized in ``model_args`` where
+    the config rules do not reach (overrides.py): with timm installed (as on the GPU image) they
+    verify; without it they are unbuildable, which the committed sweep records."""
+    pytest.importorskip("timm", reason="FastVLM and PerceptionLM build timm vision towers")
+    pytest.importorskip("torchvision", reason="timm's vision towers need torchvision")
+    verdict = verify_type(model_type, IMAGE_TEXT_TO_TEXT, options={"backend": "torch"})
+    assert verdict.status == VERIFIED, (verdict.status, verdict.reason)
