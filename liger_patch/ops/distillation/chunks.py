@@ -189,27 +189,37 @@ def distill_chunk_rows(
     return chunk_rows(row_bytes, budget, 1, opts.student.tuning, total)
 
 
+@dataclass(frozen=True)
+class ChunkWalk:
+    """What every chunk of a walk reads: both sides as the GEMMs read them, the labels (N,), the
+    options, the rows walked (``kept``: the kept tokens' row numbers, sorted; ``None``: every
+    row) and the working memory budget the chunks are sized for."""
+
+    student: Side
+    teacher: Side
+    labels: Tensor
+    opts: DistillOptions
+    kept: Tensor | None
+    budget_bytes: int
+
+
 @torch.no_grad()
 def walk_chunks(
     math: ChunkMath,
-    student: Side,
-    teacher: Side,
-    labels: Tensor,
-    opts: DistillOptions,
+    walk: ChunkWalk,
     *,
-    kept: Tensor | None,
     coef: Tensor | None,
-    budget_bytes: int,
     values: Tensor | None = None,
     grads: GradSums | None = None,
 ) -> None:
-    """The one chunk loop: ``math.step`` over the rows (every row, or the kept ones ``kept``
-    lists) in chunks within ``budget_bytes``, each chunk's per-row values put in its rows of
-    ``values`` and its gradient added to ``grads``."""
+    """The one chunk loop: ``math.step`` over the rows ``walk`` covers in chunks within its
+    budget, each chunk's per-row values put in its rows of ``values`` and its gradient added to
+    ``grads``."""
+    student, teacher, labels, opts, kept = walk.student, walk.teacher, walk.labels, walk.opts, walk.kept
     total = labels.shape[0] if kept is None else kept.shape[0]
     want_grad, gathers = grads is not None, kept is not None
     step = distill_chunk_rows(
-        math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=budget_bytes
+        math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=walk.budget_bytes
     )
     for rows in chunks(labels.shape[0], kept, step):
         row_values, g, hs = math.step(rows, student, teacher, labels, coef, opts)
@@ -220,40 +230,37 @@ def walk_chunks(
         del row_values, g, hs  # before the next chunk's buffers are made
 
 
-@torch.no_grad()
-def run_distill(
-    student: Head,
-    teacher: Head,
-    labels: Tensor,
-    opts: DistillOptions,
-    *,
-    kept: Tensor | None,
-    coef: Tensor | None,
-    needs: tuple[bool, bool, bool],
-    budget_bytes: int,
-    math: ChunkMath = TORCH_MATH,
-) -> DistillResult:
-    """The loss of every token and, with ``coef`` (N,) fp32 (0 at ignored tokens), the gradients
-    of ``coef_i * loss_i`` summed, for the student's hidden, weight and bias as ``needs`` asks.
+@dataclass(frozen=True)
+class DistillCall:
+    """One call of ``run_distill``: the loss of every token of ``labels`` (N,) and, with ``coef``
+    (N,) fp32 (0 at ignored tokens), the gradients of ``coef_i * loss_i`` summed, for the
+    student's hidden, weight and bias as ``needs`` asks.
 
     ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
-    ``math``: the backend's chunk work (``operator.chunk_math``)."""
-    s, t = Side.of(student), Side.of(teacher)
-    want = coef is not None and any(needs)
+    ``budget_bytes``: the chunks' working memory. ``math``: the backend's chunk work
+    (``operator.chunk_math``)."""
+
+    student: Head
+    teacher: Head
+    labels: Tensor
+    opts: DistillOptions
+    kept: Tensor | None
+    coef: Tensor | None
+    needs: tuple[bool, bool, bool]
+    budget_bytes: int
+    math: ChunkMath = TORCH_MATH
+
+
+@torch.no_grad()
+def run_distill(call: DistillCall) -> DistillResult:
+    """The losses and gradients ``call`` asks for (``DistillCall``)."""
+    student, labels, needs, kept = call.student, call.labels, call.needs, call.kept
+    s, t = Side.of(student), Side.of(call.teacher)
+    want = call.coef is not None and any(needs)
     res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))
     grads = student_grads(student, s.w, needs, kept) if want else None
-    walk_chunks(
-        math,
-        s,
-        t,
-        labels,
-        opts,
-        kept=kept,
-        coef=coef if want else None,
-        budget_bytes=budget_bytes,
-        values=res.loss,
-        grads=grads,
-    )
+    walk = ChunkWalk(s, t, labels, call.opts, kept, call.budget_bytes)
+    walk_chunks(call.math, walk, coef=call.coef if want else None, values=res.loss, grads=grads)
     if grads is not None:
         res.grad_hidden, res.grad_weight, res.grad_bias = finished_grads(grads, student)
     return res

@@ -45,6 +45,7 @@ from liger_patch.ops.distillation.chunks import (
     TORCH_MATH,
     TORCH_MATH_WITH_IGNORED,
     ChunkMath,
+    DistillCall,
     Head,
     Side,
     run_distill,
@@ -134,7 +135,7 @@ def fused_distill(
     head_start.remember(shape_key, checked.kept_rows is not None)
     with_ignored = checked.kept_rows is None and checked.n_kept != n_rows
     with torch.autocast(student_hidden.device.type, enabled=False):
-        res = run_distill(
+        call = DistillCall(
             student,
             teacher,
             checked.labels,
@@ -145,6 +146,7 @@ def fused_distill(
             budget_bytes=budget_bytes,
             math=chunk_math(backend, head, with_ignored=with_ignored),
         )
+        res = run_distill(call)
     loss = reduce_rows(res.loss, opts.reduction, checked.divisor)
     if checked.poison is not None:
         loss = loss * checked.poison
@@ -200,7 +202,7 @@ def fused_distill_backward(
     kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync, unless a CUDA graph is captured
     with_ignored = kept is None and kept_rows.capturing(labels)
     with torch.autocast(student_hidden.device.type, enabled=False):
-        res = run_distill(
+        call = DistillCall(
             Head(student_hidden, student_weight, student_bias),
             Head(teacher_hidden, teacher_weight, teacher_bias),
             labels,
@@ -211,6 +213,7 @@ def fused_distill_backward(
             budget_bytes=_budget(opts, student_hidden, labels.shape[0]),
             math=chunk_math(pick(opts.backend, student_hidden.device), with_ignored=with_ignored),
         )
+        res = run_distill(call)
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
     return tuple(g if g is not None else _empty(student_hidden) for g in grads)
 

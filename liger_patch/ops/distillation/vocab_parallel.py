@@ -51,6 +51,7 @@ from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.grad_sums import GradSums
+from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
 from liger_patch.ops.core.vocab_shard import (
     VocabShard,
@@ -61,6 +62,7 @@ from liger_patch.ops.core.vocab_shard import (
 from liger_patch.ops.core.walked_rows import Chunk
 from liger_patch.ops.distillation.chunks import (
     ChunkMath,
+    ChunkWalk,
     Head,
     Side,
     finished_grads,
@@ -84,35 +86,24 @@ _F32 = torch.float32
 
 @dataclass(frozen=True)
 class _ShardChunks:
-    """Both sides' shards as the chunk GEMMs read them, and what every pass over their kept rows'
-    chunks shares (``distillation_chunks.walk_chunks``, the fused op's own loop). ``widest``: the
-    group's widest shard, which sizes every rank's chunks alike."""
+    """Both sides' shards and the kept rows as every pass over their chunks reads them
+    (``walked``, for ``distillation_chunks.walk_chunks``, the fused op's own loop), the shard, and
+    the row math. ``widest``: the group's widest shard, which sizes every rank's chunks alike."""
 
-    student: Side
-    teacher: Side
-    labels: Tensor
-    kept: Tensor
+    walked: ChunkWalk
     shard: VocabShard
-    opts: DistillOptions
-    budget_bytes: int
     widest: int
     math: Any  # distillation_shard_math.TORCH or a TritonMath
 
     @staticmethod
-    def of(
-        student: tuple,
-        teacher: tuple,
-        labels: Tensor,
-        kept: Tensor,
-        shard: VocabShard,
-        opts: DistillOptions,
-        widest: int,
-    ) -> _ShardChunks:
+    def of(student: tuple, teacher: tuple, rows: _ShardRows) -> _ShardChunks:
         s, t = Side.of(Head(*student)), Side.of(Head(*teacher))
+        opts = rows.opts
         working = budget.working_bytes(opts.memory_budget, s.hidden.shape[0], s.hidden.nbytes)
         backend = pick(opts.backend, s.hidden.device)
         math = TORCH if backend.name == "torch" else TritonMath(backend)
-        return _ShardChunks(s, t, labels, kept, shard, opts, working, widest, math)
+        walked = ChunkWalk(s, t, rows.labels, opts, rows.kept, working)
+        return _ShardChunks(walked, rows.shard, rows.widest, math)
 
     def walk(
         self,
@@ -129,17 +120,43 @@ class _ShardChunks:
             return self.math.row_bytes(self.widest, *rest)
 
         walk_chunks(
-            ChunkMath(step=step, row_bytes=row_bytes),
-            self.student,
-            self.teacher,
-            self.labels,
-            self.opts,
-            kept=self.kept,
-            coef=coef,
-            budget_bytes=self.budget_bytes,
-            values=values,
-            grads=grads,
+            ChunkMath(step=step, row_bytes=row_bytes), self.walked, coef=coef, values=values, grads=grads
         )
+
+
+@dataclass(frozen=True)
+class _ShardRows:
+    """The rows both passes walk and the group they agree in: the labels (N,) int64, the kept
+    rows' numbers, this rank's shard, the options and the group's widest shard."""
+
+    labels: Tensor
+    kept: Tensor
+    shard: VocabShard
+    opts: DistillOptions
+    widest: int
+
+
+@dataclass(frozen=True)
+class _StepOn:
+    """What a pass's chunk step reads beside the chunk (``ChunkMath.step``'s arguments): this
+    rank's shard, the row math and, in the recomputing backward, the values the forward kept
+    (``_forward_step``'s)."""
+
+    shard: VocabShard
+    math: Any
+    values: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _DistillSettings:
+    """``_VocabParallelDistill``'s operands that are not the heads' tensors nor the labels:
+    ``num_items_in_batch`` (``NumItems``: a tensor or a float), the shard, the options and
+    whether grad mode was on (no gradient is ever asked of them)."""
+
+    num_items: NumItems
+    shard: VocabShard
+    opts: DistillOptions
+    grad_on: bool
 
 
 def _label_cols(labels: Tensor, shard: VocabShard, vocab_r: int) -> Tensor:
@@ -168,8 +185,7 @@ def _no_columns_stats(n: int, opts: DistillOptions, device: torch.device) -> Ten
 
 
 def _forward_step(
-    shard: VocabShard,
-    math: Any,
+    on: _StepOn,
     rows: Chunk,
     student: Side,
     teacher: Side,
@@ -181,6 +197,7 @@ def _forward_step(
     all-gathered and combined into the rows' log-sum-exps; the shard's part of the divergence
     sums, all-reduced; with ``coef`` the gradient at the shard's columns. Its values (rows, m):
     the loss, lse_s, lse_t, (lse_z,) and the sum the gradient subtracts (``_value_columns``)."""
+    shard, math = on.shard, on.math
     width, want_grad = student.w.shape[0], coef is not None
     cols = _label_cols(rows.take(labels), shard, width)
     chunk = math.open(rows, student, teacher, opts, want_grad) if width else None
@@ -216,9 +233,7 @@ def _values_stats(values: Tensor, opts: DistillOptions) -> dict:
 
 
 def _grad_step(
-    shard: VocabShard,
-    math: Any,
-    values: Tensor,
+    on: _StepOn,
     rows: Chunk,
     student: Side,
     teacher: Side,
@@ -229,10 +244,11 @@ def _grad_step(
     """The recomputing backward's chunk: the gradient at the shard's columns from the rows'
     log-sum-exps and sums the forward kept (none for a shard without columns). The divergence
     sums are computed again (their parts make the gradient); the kept ones are used."""
+    shard, math = on.shard, on.math
     width = student.w.shape[0]
     if not width:
         return None, None, None
-    chunk_values = rows.take(values)
+    chunk_values = rows.take(on.values)
     stats = _values_stats(chunk_values, opts)
     cols = _label_cols(rows.take(labels), shard, width)
     chunk = math.open(rows, student, teacher, opts, True)
@@ -247,7 +263,7 @@ def _walk_grads(chunks: _ShardChunks, student: Head, needs: tuple, step: Callabl
     """A pass that sums the student's gradients: this rank's part of grad_h, summed over the
     group (one all-reduce, as the unpatched tensor-parallel head does), and its shard's grad_W and
     grad_b (complete); ``None`` where not asked for, else in the inputs' dtypes."""
-    grads = student_grads(student, chunks.student.w, needs, chunks.kept, in_fp32=True)
+    grads = student_grads(student, chunks.walked.student.w, needs, chunks.walked.kept, in_fp32=True)
     chunks.walk(step, grads=grads, **walk)
     if grads.hidden is not None:
         dist.all_reduce(grads.hidden, group=chunks.shard.group)
@@ -258,20 +274,22 @@ class _VocabParallelDistill(torch.autograd.Function):
     """The loss of the student's and the teacher's vocabulary shards; see the module doc."""
 
     @staticmethod
-    def forward(ctx, sh, sw, sb, th, tw, tb, labels, num_items, num_items_value, shard, opts, grad_on):
+    def forward(ctx, sh, sw, sb, th, tw, tb, labels, settings: _DistillSettings):
+        opts, shard, num_items = settings.opts, settings.shard, settings.num_items
         labels = labels.long().contiguous()
         keep = labels != opts.ignore_index
-        divisor = loss_divisor(opts.reduction, keep, labels, None, num_items, num_items_value)
-        needs = [grad_on and n for n in ctx.needs_input_grad[:3]]  # none under no_grad (evaluation)
-        user_divisor = divisor if num_items is not None else None
+        divisor = loss_divisor(opts.reduction, keep, labels, None, num_items.tensor, num_items.value)
+        needs = [settings.grad_on and n for n in ctx.needs_input_grad[:3]]  # none under no_grad (evaluation)
+        user_divisor = divisor if num_items.tensor is not None else None
         (widest,) = check_ranks_agree(labels, shard, opts.ignore_index, user_divisor, needs, (sw.shape[0],))
         kept = keep.nonzero().view(-1)
         row_weight = row_weights(keep, opts.reduction, divisor)
         precompute = grads_in_forward(opts.reduction, sh.dtype, needs)
         values = torch.zeros(labels.shape[0], _value_columns(opts), dtype=_F32, device=labels.device)
         with torch.autocast(sh.device.type, enabled=False):
-            chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), labels, kept, shard, opts, widest)
-            step = functools.partial(_forward_step, shard, chunks.math)
+            rows = _ShardRows(labels, kept, shard, opts, widest)
+            chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), rows)
+            step = functools.partial(_forward_step, _StepOn(shard, chunks.math))
             ctx.forward_grads = None
             if precompute:
                 grads = _walk_grads(chunks, Head(sh, sw, sb), needs, step, values=values, coef=row_weight)
@@ -291,20 +309,20 @@ class _VocabParallelDistill(torch.autograd.Function):
     def backward(ctx, grad_loss):
         held = ctx.forward_grads
         if held is not None and not held.spent:
-            return (*held.scaled(grad_loss), *(None,) * 9)
+            return (*held.scaled(grad_loss), *(None,) * 5)
         if held is not None:
             raise spent_error("vocab_parallel_distillation")
         if not any(ctx.needs):
-            return (None,) * 12
+            return (None,) * 8
         sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
         teacher = held_teacher(ctx, saved)
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
-        opts = ctx.opts
         with torch.autocast(sh.device.type, enabled=False):
-            chunks = _ShardChunks.of((sh, sw, sb), teacher, labels, ctx.kept, ctx.shard, opts, ctx.widest)
-            step = functools.partial(_grad_step, ctx.shard, chunks.math, values)
+            rows = _ShardRows(labels, ctx.kept, ctx.shard, ctx.opts, ctx.widest)
+            chunks = _ShardChunks.of((sh, sw, sb), teacher, rows)
+            step = functools.partial(_grad_step, _StepOn(ctx.shard, chunks.math, values))
             grads = _walk_grads(chunks, Head(sh, sw, sb), ctx.needs, step, coef=coef)
-        return (*grads, *(None,) * 9)
+        return (*grads, *(None,) * 5)
 
 
 def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) -> tuple:
@@ -352,6 +370,7 @@ def vocab_parallel_distillation(
     if sh.device != th.device:
         raise ValueError(f"the student's tensors are on {sh.device} but the teacher's on {th.device}")
     check_logits_dtypes(opts, sh.dtype, th.dtype)
-    operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
-    loss = _VocabParallelDistill.apply(*operands, shard, opts, torch.is_grad_enabled())
+    *tensors, num_tensor, num_value = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
+    settings = _DistillSettings(NumItems(num_tensor, num_value), shard, opts, torch.is_grad_enabled())
+    loss = _VocabParallelDistill.apply(*tensors, settings)
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss

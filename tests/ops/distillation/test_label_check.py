@@ -34,9 +34,9 @@ def walks(monkeypatch):
     calls = []
     real = operator.run_distill
 
-    def spied(*args, **kwargs):
-        calls.append(kwargs["kept"] is None)
-        return real(*args, **kwargs)
+    def spied(call):
+        calls.append(call.kept is None)
+        return real(call)
 
     monkeypatch.setattr(operator, "run_distill", spied)
     return calls

@@ -392,15 +392,17 @@ def test_working_memory_within_budget(gen, softcaps):
     kept = torch.nonzero(labels != -100).view(-1)
     with LiveBytes() as mode:
         res = distillation_chunks.run_distill(
-            student,
-            teacher,
-            labels,
-            build_distill_options(**opts),
-            kept=kept,
-            coef=torch.full((48,), 0.1),
-            needs=(True, True, True),
-            budget_bytes=working,
-            math=distillation_chunks.TORCH_MATH,
+            distillation_chunks.DistillCall(
+                student,
+                teacher,
+                labels,
+                build_distill_options(**opts),
+                kept=kept,
+                coef=torch.full((48,), 0.1),
+                needs=(True, True, True),
+                budget_bytes=working,
+                math=distillation_chunks.TORCH_MATH,
+            )
         )
     results = [res.loss, res.grad_hidden, res.grad_weight, res.grad_bias]
     used = mode.peak - sum(t.numel() * t.element_size() for t in results)

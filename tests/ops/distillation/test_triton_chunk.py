@@ -35,7 +35,7 @@ from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.triton import logits as triton_logits
 from liger_patch.ops.distillation import chunks as distillation_chunks
 from liger_patch.ops.distillation import triton_chunk as distillation_triton
-from liger_patch.ops.distillation.chunks import Head, Side, distill_chunk_rows, run_distill
+from liger_patch.ops.distillation.chunks import DistillCall, Head, Side, distill_chunk_rows, run_distill
 from liger_patch.ops.distillation.options import build_distill_options
 from liger_patch.ops.distillation.triton import rows as triton_distill
 from tests.op_helpers import IGNORE_PATTERNS, examples
@@ -378,15 +378,17 @@ def test_working_memory_within_budget(gen, device, monkeypatch, beta, vocab, log
     coef = torch.full((48,), 0.1, device=device)
     with LiveBytes(*case.values(), kept, coef) as mode:
         res = run_distill(
-            student,
-            teacher,
-            labels,
-            build_distill_options(backend="triton", **opts),
-            kept=kept,
-            coef=coef,
-            needs=(True, True, True),
-            budget_bytes=working,
-            math=math,
+            DistillCall(
+                student,
+                teacher,
+                labels,
+                build_distill_options(backend="triton", **opts),
+                kept=kept,
+                coef=coef,
+                needs=(True, True, True),
+                budget_bytes=working,
+                math=math,
+            )
         )
     results = [res.loss, res.grad_hidden, res.grad_weight, res.grad_bias]
     used = mode.peak - sum(t.numel() * t.element_size() for t in results if t is not None)

@@ -336,6 +336,67 @@ def _check(student: torch.Tensor, teacher: torch.Tensor, grad: torch.Tensor | No
         raise ValueError("partials must be contiguous fp32")
 
 
+def _scalars(opts: DistillOptions, mode: int) -> tuple:
+    """The kernel's scalar arguments after the strides and V: the ignore index, each side's
+    scale and cap (1.0 without one), the mixture's log beta, log(1 - beta) and 1 / (1 - beta)
+    (0, 0, 1 outside it), the cross-entropy's weight and the temperature."""
+    side_s, side_t, beta = opts.student, opts.teacher, opts.beta
+    log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == 2 else (0.0, 0.0)
+    return (
+        opts.ignore_index,
+        side_s.scale,
+        float(side_s.softcap or 1.0),
+        side_t.scale,
+        float(side_t.softcap or 1.0),
+        log_beta,
+        log_1m_beta,
+        1.0 / (1.0 - beta) if mode == 2 else 1.0,
+        opts.ce_weight,
+        opts.temperature,
+    )
+
+
+def _pass_flags(
+    opts: DistillOptions, mode: int, has_partials: bool, compute_grad: bool, aliases_wider: bool
+) -> dict:
+    """The kernel's constexprs that pick its terms and passes. The passes that run, in order:
+    statistics (unless the partials give all it would), the mixture's, the last. After the
+    first, each walks the other way (when the tuning reverses)."""
+    has_ce = opts.ce_weight != 0.0
+    ce_scaled = has_ce and opts.temperature != 1.0
+    stats_pass = (not has_partials) or (ce_scaled and mode != 2)
+    k_index, last_index = int(stats_pass), int(stats_pass) + int(mode == 2)
+    reverse = opts.student.tuning.reverse_pass2
+    return dict(
+        BETA_MODE=mode,
+        HAS_CE=has_ce,
+        CE_SCALED=ce_scaled,
+        S_SOFTCAP=opts.student.softcap is not None,
+        T_SOFTCAP=opts.teacher.softcap is not None,
+        HAS_PARTIALS=has_partials,
+        STATS_PASS=stats_pass,
+        LAST_D=mode == 0 and has_partials,
+        COMPUTE_GRAD=compute_grad,
+        GRAD_ALIASES_WIDER=aliases_wider,
+        REVERSE_K=reverse and k_index % 2 == 1,
+        # Over wider logits, block k's stores overwrite blocks <= k: forwards only.
+        REVERSE_LAST=reverse and last_index % 2 == 1 and not aliases_wider,
+    )
+
+
+def _functions(opts: DistillOptions, mode: int, has_partials: bool) -> dict:
+    """The jitted helpers the kernel takes as constexprs. A jitted function as a constexpr costs
+    host time at every launch: passed only when used."""
+    capped = opts.student.softcap is not None or opts.teacher.softcap is not None
+    return dict(
+        SOFTCAP_FN=jitted(softcap) if capped else None,
+        FOLD_FN=jitted(fold_partials) if has_partials else None,
+        FINAL_FN=jitted(final_block),
+        MIX_FN=jitted(mixture_terms) if mode == 2 else None,
+        LOG_FN=per_element_log() if mode == 2 else None,
+    )
+
+
 def distill_rows_triton(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -361,27 +422,13 @@ def distill_rows_triton(
         return loss
     compute_grad = grad is not None and coef is not None
     aliases_wider = compute_grad and _aliases_wider(grad, student)
-    side_s, side_t = opts.student, opts.teacher
-    tuning = side_s.tuning
-    interpret = env.triton_interpret()
-    block, warps = launch_config(vocab, tuning, interpret)
+    block, warps = launch_config(vocab, opts.student.tuning, env.triton_interpret())
     mode = _beta_mode(opts.beta)
-    has_ce = opts.ce_weight != 0.0
-    ce_scaled = has_ce and opts.temperature != 1.0
     has_partials = partials is not None
     (s_pmax, s_psum), (t_pmax, t_psum) = partials if has_partials else ((loss, loss), (loss, loss))
     n_parts = s_pmax.shape[1] if has_partials else 0
-    # The passes that run, in order: statistics (unless the partials give all it would), the
-    # mixture's, the last. After the first, each walks the other way (when the tuning reverses).
-    stats_pass = (not has_partials) or (ce_scaled and mode != 2)
-    last_d = mode == 0 and has_partials
-    k_index, last_index = int(stats_pass), int(stats_pass) + int(mode == 2)
-    reverse = tuning.reverse_pass2
     labels = labels.contiguous()
     coef = coef.float().contiguous() if compute_grad else loss
-    beta = opts.beta
-    log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == 2 else (0.0, 0.0)
-    capped = side_s.softcap is not None or side_t.softcap is not None
     jitted(_distill_rows_kernel)[(rows,)](
         student,
         teacher,
@@ -398,37 +445,11 @@ def distill_rows_triton(
         teacher.stride(0),
         grad.stride(0) if compute_grad else 0,
         vocab,
-        opts.ignore_index,
-        side_s.scale,
-        float(side_s.softcap or 1.0),
-        side_t.scale,
-        float(side_t.softcap or 1.0),
-        log_beta,
-        log_1m_beta,
-        1.0 / (1.0 - beta) if mode == 2 else 1.0,
-        opts.ce_weight,
-        opts.temperature,
-        BETA_MODE=mode,
-        HAS_CE=has_ce,
-        CE_SCALED=ce_scaled,
-        S_SOFTCAP=side_s.softcap is not None,
-        T_SOFTCAP=side_t.softcap is not None,
-        HAS_PARTIALS=has_partials,
-        STATS_PASS=stats_pass,
-        LAST_D=last_d,
-        COMPUTE_GRAD=compute_grad,
-        GRAD_ALIASES_WIDER=aliases_wider,
-        REVERSE_K=reverse and k_index % 2 == 1,
-        # Over wider logits, block k's stores overwrite blocks <= k: forwards only.
-        REVERSE_LAST=reverse and last_index % 2 == 1 and not aliases_wider,
+        *_scalars(opts, mode),
+        **_pass_flags(opts, mode, has_partials, compute_grad, aliases_wider),
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
-        # A jitted function as a constexpr costs host time at every launch: passed only when used.
-        SOFTCAP_FN=jitted(softcap) if capped else None,
-        FOLD_FN=jitted(fold_partials) if has_partials else None,
-        FINAL_FN=jitted(final_block),
-        MIX_FN=jitted(mixture_terms) if mode == 2 else None,
-        LOG_FN=per_element_log() if mode == 2 else None,
+        **_functions(opts, mode, has_partials),
         num_warps=warps,
     )
     return loss
