@@ -125,13 +125,26 @@ def _sanitized(pending: PendingLabels) -> tuple[Tensor, Tensor]:
     """The labels with every out-of-range one made ``ignore_index``, and the poison factor: NaN
     when a label or the ``num_items_in_batch`` tensor was bad, else 1 (no sync)."""
     labels, ignore_index = pending.labels, pending.ignore_index
-    bad_rows = (labels != ignore_index) & ((labels < 0) | (labels >= pending.vocab))
+    bad_rows = _out_of_range(labels, pending.vocab, ignore_index)
     bad = bad_rows.any()
     user_divisor = pending.user_divisor
     if user_divisor is not None:
         bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
     return torch.where(bad_rows, ignore_index, labels), torch.where(bad, nan, one)
+
+
+def _out_of_range(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+
+
+def in_range_while_captured(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    """``labels`` for a recomputing backward: while a CUDA graph is captured, with every
+    out-of-range label made ``ignore_index`` as the forward did (its coefficients carry the
+    poison), so no kernel indexes with one; otherwise as they are (the forward checked them)."""
+    if not capturing(labels):
+        return labels
+    return torch.where(_out_of_range(labels, vocab, ignore_index), ignore_index, labels)
 
 
 def kept_index(labels: Tensor, ignore_index: int) -> Tensor | None:

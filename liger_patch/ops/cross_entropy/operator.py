@@ -33,7 +33,13 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start
 from liger_patch.ops.core.forward_grads import grads_in_forward
-from liger_patch.ops.core.kept_rows import CheckedLabels, NumItems, begin_label_check, finish_label_check
+from liger_patch.ops.core.kept_rows import (
+    CheckedLabels,
+    NumItems,
+    begin_label_check,
+    finish_label_check,
+    in_range_while_captured,
+)
 from liger_patch.ops.core.reduction import reduce_rows
 from liger_patch.ops.cross_entropy import chunk_plan
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
@@ -247,7 +253,7 @@ def flce_backward(
     call = ChunkCall(
         backend=row_backend(opts.backend, hidden.device),
         inputs=HeadInputs(hidden, weight, bias),
-        labels=labels.long().contiguous(),
+        labels=in_range_while_captured(labels.long().contiguous(), weight.shape[0], opts.ignore_index),
         opts=opts,
         budget_bytes=0,
         coef_ce=coef_ce,

@@ -198,7 +198,9 @@ def fused_distill_backward(
     """The student's gradients (empty where not needed) of ``sum_i coef_i loss_i``, from
     recomputed logits; ``coef`` (N,) fp32 is 0 at ignored tokens."""
     opts = DistillOptions.from_key(options)
-    labels = labels.long().contiguous()
+    labels = kept_rows.in_range_while_captured(
+        labels.long().contiguous(), student_weight.shape[0], opts.ignore_index
+    )
     kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync, unless a CUDA graph is captured
     with_ignored = kept is None and kept_rows.capturing(labels)
     with torch.autocast(student_hidden.device.type, enabled=False):

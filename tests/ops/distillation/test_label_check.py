@@ -19,7 +19,7 @@ import liger_patch as lp
 from liger_patch.ops.core import kept_rows, validation
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.distillation import operator
-from tests.ops.distillation.cases import FP32, loss_and_grads, make_case
+from tests.ops.distillation.cases import FP32, loss_and_grads, make_case, on_device
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -59,10 +59,10 @@ def captured():
         yield
 
 
-def _case(gen, ignored: int):
+def _case(gen, ignored: int, device):
     case = make_case(gen, (N,), ignore="none")
     case["labels"][:ignored] = -100
-    return case
+    return on_device(case, device)
 
 
 def _assert_same(actual, expected):
@@ -75,12 +75,12 @@ def _assert_same(actual, expected):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("ignored", "every_row"), [(0, True), (1, True), (6, False)])
-def test_the_skip_share_decides_as_for_cross_entropy(gen, backend, walks, ignored, every_row):
+def test_the_skip_share_decides_as_for_cross_entropy(gen, device, backend, walks, ignored, every_row):
     """1 of 24 ignored (4 %) is under the default share of 5 %: every row is walked, the ignored
     one giving 0, as in the cross-entropy op; 6 of 24 gather the kept rows. Results equal those of
     gathering whenever a row is ignored (share 0) to fp32 rounding."""
-    case = _case(gen, ignored)
-    upstream = torch.rand((), generator=gen) + 0.5
+    case = _case(gen, ignored, device)
+    upstream = (torch.rand((), generator=gen) + 0.5).to(device)
     result = loss_and_grads(lp.fused_linear_distillation, case, upstream, backend=backend, **OPTS)
     gathered = loss_and_grads(
         lp.fused_linear_distillation, case, upstream, backend=backend, tuning=GATHER, **OPTS
@@ -91,11 +91,11 @@ def test_the_skip_share_decides_as_for_cross_entropy(gen, backend, walks, ignore
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # gradients from the forward / recomputed
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_under_capture_no_sync_every_row_and_the_eager_results(gen, backend, reduction, walks):
+def test_under_capture_no_sync_every_row_and_the_eager_results(gen, device, backend, reduction, walks):
     """Forward and (recomputing) backward take kept_rows' capture path: no wait, no nonzero, every
     row walked; the loss and the student's gradients are eager's."""
-    case = _case(gen, 5)
-    upstream = torch.rand(() if reduction == "mean" else (N,), generator=gen) + 0.5
+    case = _case(gen, 5, device)
+    upstream = (torch.rand(() if reduction == "mean" else (N,), generator=gen) + 0.5).to(device)
     opts = dict(OPTS, backend=backend, reduction=reduction)
     eager = loss_and_grads(lp.fused_linear_distillation, case, upstream, **opts)
     walks.clear()
@@ -105,34 +105,41 @@ def test_under_capture_no_sync_every_row_and_the_eager_results(gen, backend, red
     _assert_same(result, eager)
 
 
-@pytest.mark.parametrize("bad", ["label", "num_items"])
+@pytest.mark.parametrize(
+    ("bad", "reduction"), [("label", "mean"), ("num_items", "mean"), ("label", "none")]
+)  # gradients from the forward; recomputed by the backward, which must not index with the label
 @pytest.mark.parametrize("op", ["cross_entropy", "distillation"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_under_capture_a_bad_input_poisons_both_ops_alike(gen, backend, op, bad):
+def test_under_capture_a_bad_input_poisons_both_ops_alike(gen, device, backend, op, bad, reduction):
     """What eagerly raises (a label outside [0, V), a negative ``num_items_in_batch`` tensor)
     makes the loss and every gradient NaN under capture (an ignored row's grad_h stays 0), and
-    raises nothing: the cross-entropy op's contract, which the distillation op now keeps too."""
-    case = _case(gen, 3)
-    num_items = torch.tensor(-1.0 if bad == "num_items" else 21.0)
+    raises nothing: the cross-entropy op's contract, which the distillation op now keeps too.
+    With reduction "none" the backward recomputes from the saved labels: it must see the bad
+    one as the forward did, ignored (on a GPU it indexed with it: a device-side assert)."""
+    case = _case(gen, 3, device)
+    num_items = None
+    if reduction == "mean":
+        num_items = torch.tensor(-1.0 if bad == "num_items" else 21.0, device=device)
     if bad == "label":
         case["labels"][7] = case["student_weight"].shape[0]  # out of range
+    opts = dict(backend=backend, num_items_in_batch=num_items, reduction=reduction)
     if op == "cross_entropy":
         inputs = (case["student_hidden"], case["student_weight"], case["labels"], case["student_bias"])
 
         def call():
-            return lp.fused_linear_cross_entropy(*inputs, backend=backend, num_items_in_batch=num_items)
+            return lp.fused_linear_cross_entropy(*inputs, **opts)
     else:
 
         def call():
-            return lp.fused_linear_distillation(**case, backend=backend, num_items_in_batch=num_items, **OPTS)
+            return lp.fused_linear_distillation(**case, **opts, **OPTS)
 
     with pytest.raises(IndexError if bad == "label" else ValueError):
         call()
     leaves = [case[k] for k in ("student_hidden", "student_weight", "student_bias")]
     with captured():
         loss = call()
-        grads = torch.autograd.grad(loss, leaves)
-    assert torch.isnan(loss)
+        grads = torch.autograd.grad(loss.sum(), leaves)
+    assert torch.isnan(loss).all()
     grad_h, grad_w, grad_b = grads
     assert torch.isnan(grad_w).all() and torch.isnan(grad_b).all()
     ignored = case["labels"] == -100
