@@ -35,11 +35,31 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+_PORT_TAKEN = "EADDRINUSE"  # the rendezvous port was taken between free_port() and rank 0's bind
+_ATTEMPTS = 3
+
+
 def run_workers(
     module: str, args: list[str], out_dir: Path, world_size: int = 2, timeout: float = 240
 ) -> None:
-    """Run ``python -m module *args`` on ``world_size`` ranks; raise if one fails or time runs out."""
+    """Run ``python -m module *args`` on ``world_size`` ranks; raise if one fails or time runs out.
+    A run whose rendezvous port another process took first (parallel test workers pick ports
+    too) is run again on a new port."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(_ATTEMPTS):
+        failure, codes = _run_once(module, args, out_dir, world_size, timeout)
+        if not (failure or any(codes)):
+            return
+        if _PORT_TAKEN not in (out_dir / "rank0.log").read_text() or attempt == _ATTEMPTS - 1:
+            break
+    tails = "\n".join(
+        f"--- rank {r} (exit {codes[r]}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}"
+        for r in range(world_size)
+    )
+    raise AssertionError(f"distributed run failed: {failure or codes}\n{tails}")
+
+
+def _environment(world_size: int) -> dict[str, str]:
     env = dict(os.environ)  # tests/conftest.py restores it after each test: no earlier test's leftovers
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -56,6 +76,15 @@ def run_workers(
         env.setdefault("OMP_NUM_THREADS", "1")
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes shows its Python stack
+    return env
+
+
+def _run_once(
+    module: str, args: list[str], out_dir: Path, world_size: int, timeout: float
+) -> tuple[str, list[int]]:
+    """One run of the ranks: why it failed ("" when no rank hung or outlived a failed one) and
+    their exit codes."""
+    env = _environment(world_size)
     procs, logs = [], []
     for rank in range(world_size):
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
@@ -90,10 +119,4 @@ def run_workers(
             _kill(proc)
         for log in logs:
             log.close()
-    codes = [p.returncode for p in procs]
-    if failure or any(codes):
-        tails = "\n".join(
-            f"--- rank {r} (exit {codes[r]}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}"
-            for r in range(world_size)
-        )
-        raise AssertionError(f"distributed run failed: {failure or codes}\n{tails}")
+    return failure, [p.returncode for p in procs]
