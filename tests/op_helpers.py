@@ -453,3 +453,38 @@ def call_rows(
         records=ChunkRecords(class_weight, outputs, entropy_grad),
         **extra,
     )
+
+
+def capture_step(step, static: dict, leaves: tuple[str, ...]):
+    """``step`` (an op's forward and backward on the tensors of ``static``, returning its detached
+    outputs: a tensor or a tuple) captured in a ``torch.cuda.CUDAGraph``, and a ``replay(values)``
+    that copies ``values`` into the static tensors, replays and gives the outputs and the
+    ``leaves``' gradients (clones). The capture-safety tests of both ops run it."""
+    # Warm-up on a side stream (kernel compilation, the allocator's first blocks; the label check
+    # synchronises here, outside capture), as torch.cuda.graphs' whole-network example does.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for name in leaves:
+                static[name].grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    # Gradients set to None: the captured backward allocates them from the graph's pool, and every
+    # replay writes them again in place.
+    for name in leaves:
+        static[name].grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+
+    def replay(values: dict) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, value in values.items():
+                static[name].copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        return tuple(o.clone() for o in outputs), {n: static[n].grad.clone() for n in leaves}
+
+    return replay

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from op_helpers import TOL, assert_close, call_op, make_case
+from op_helpers import TOL, assert_close, call_op, capture_step, make_case
 
 import liger_patch as lp
 
@@ -94,34 +94,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
     static = _new_values(gen, N, H, V, device)
     for name in LEAVES:
         static[name].requires_grad_()
-    step = _captured_step(backend, objective, static)
-
-    # Warm-up on a side stream (kernel compilation, the allocator's first blocks; the label check
-    # synchronises here, outside capture), as torch.cuda.graphs' whole-network example does.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for name in LEAVES:
-                static[name].grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-
-    # Gradients set to None: the captured backward allocates them from the graph's pool, and every
-    # replay writes them again in place.
-    for name in LEAVES:
-        static[name].grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_z = step()
-
-    def replay(values):
-        with torch.no_grad():
-            for name, value in values.items():
-                static[name].copy_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        return static_loss.clone(), static_z.clone(), {n: static[n].grad.clone() for n in LEAVES}
+    replay = capture_step(_captured_step(backend, objective, static), static, LEAVES)
 
     def eager(values):
         leaves = {n: values[n].clone().requires_grad_() for n in LEAVES}
@@ -130,7 +103,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
         return loss, z_loss, {n: leaves[n].grad for n in LEAVES}
 
     def assert_same(values, what):
-        loss, z_loss, grads = replay(values)
+        (loss, z_loss), grads = replay(values)
         e_loss, e_z, e_grads = eager(values)
         tol = TOL[torch.float32]
         assert_close(f"{what}: loss", loss, e_loss.double(), tol)
@@ -148,7 +121,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
         kept[5] = False  # treated as ignored inside the kernels
     else:
         poisoned["num_items"].fill_(-1)  # eagerly this raises ValueError
-    loss, z_loss, grads = replay(poisoned)  # no exception, no crash
+    (loss, z_loss), grads = replay(poisoned)  # no exception, no crash
     assert torch.isnan(loss) and torch.isnan(z_loss)
     assert torch.isnan(grads["weight"]).all() and torch.isnan(grads["bias"]).all()
     assert torch.isnan(grads["hidden"][kept]).all()

@@ -7,7 +7,7 @@ tests/ops/distillation/test_label_check.py."""
 
 import pytest
 import torch
-from op_helpers import TOL, assert_close
+from op_helpers import TOL, assert_close, capture_step
 
 import liger_patch as lp
 
@@ -65,28 +65,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
     static = _new_values(gen, device)
     for name in STUDENT:
         static[name].requires_grad_()
-    step = _step(backend, reduction, static)
-    side = torch.cuda.Stream()  # warm-up outside capture: compilation, the allocator, the check's sync
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for name in STUDENT:
-                static[name].grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for name in STUDENT:
-        static[name].grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
-
-    def replay(values):
-        with torch.no_grad():
-            for name, value in values.items():
-                static[name].copy_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        return static_loss.clone(), {n: static[n].grad.clone() for n in STUDENT}
+    replay = capture_step(_step(backend, reduction, static), static, STUDENT)
 
     def eager(values):
         leaves = {n: values[n].clone().requires_grad_() for n in STUDENT}
@@ -94,7 +73,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
         return loss, {n: leaves[n].grad for n in STUDENT}
 
     def assert_same(values, what):
-        (loss, grads), (e_loss, e_grads) = replay(values), eager(values)
+        ((loss,), grads), (e_loss, e_grads) = replay(values), eager(values)
         assert_close(f"{what}: loss", loss, e_loss.double(), TOL[torch.float32])
         for name in STUDENT:
             assert_close(f"{what}: grad {name}", grads[name], e_grads[name].double(), TOL[torch.float32])
@@ -106,7 +85,7 @@ def test_cuda_graph_capture_replays_eager_and_poisons_bad_inputs(gen, device, ba
         poisoned["labels"][5] = V  # out of range; eagerly this raises IndexError
     else:
         poisoned["num_items"].fill_(-1)  # eagerly this raises ValueError
-    loss, grads = replay(poisoned)  # no exception, no crash
+    (loss,), grads = replay(poisoned)  # no exception, no crash
     assert torch.isnan(loss).all()
     assert torch.isnan(grads["student_weight"]).all() and torch.isnan(grads["student_bias"]).all()
     assert_same(_new_values(gen, device), "replay after the poisoned one")
