@@ -18,9 +18,9 @@ Each row runs in its own process, which alternates segments of ``--segment-steps
 model: unpatched, patched (``apply_liger_to`` on the instance), ``revert_liger``, ... for
 ``--rounds`` rounds, with the same batch and the same seed before every step (dropout draws the
 same masks), so every step computes the same loss: parity is checked (patched against unpatched
-within ``LOSS_TOL``, the fused path must have run). Reported per variant: the median step time
-(each segment's first step left out) and the peak memory allocated. The table's ratio is patched
-over unpatched.
+within ``LOSS_TOL``, or ``LOSS_REL_TOL`` of the loss where that is more; the fused path must have
+run). Reported per variant: the median step time (each segment's first step left out) and the
+peak memory allocated. The table's ratio is patched over unpatched.
 
     python benchmarks/e2e_families.py --out docs/results/e2e_families.json
     python benchmarks/e2e_families.py --rows whisper_small --rounds 2
@@ -40,6 +40,9 @@ import torch
 from common import environment, need_cuda, run_in_processes, write_json
 
 LOSS_TOL = 2e-2  # bf16, absolute, per step; fp32 (--smoke) is far inside it
+# bf16, relative to the loss, where that is larger: a random-init T5's head is not scaled down
+# (logits of std ~28, a loss ~500), and the unpatched bf16 logits round by ~0.1 there
+LOSS_REL_TOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,9 @@ def summary(name: str, row: Row, runs: dict[str, list[dict]]) -> dict:
     out["fused_ran"] = all(s["fused"] for s in runs["patched"]) and not any(
         s["fused"] for s in runs["unpatched"]
     )
-    out["parity_ok"] = out["max_loss_diff"] <= LOSS_TOL and out["fused_ran"]
+    out["loss"] = statistics.median(runs["unpatched"][0]["losses"])
+    tolerance = max(LOSS_TOL, LOSS_REL_TOL * abs(out["loss"]))
+    out["parity_ok"] = out["max_loss_diff"] <= tolerance and out["fused_ran"]
     out["step_ratio"] = out["patched_ms"] / out["unpatched_ms"]
     return out
 
@@ -219,10 +224,10 @@ def _cell(result: dict, variant: str) -> str:
 
 def table(results: list[dict]) -> str:
     """The markdown table: per row, each variant's step and peak, their ratios, parity."""
-    lines = ["| row | tokens | unpatched | patched | step | peak | loss diff |", "|---" * 7 + "|"]
+    lines = ["| row | tokens | unpatched | patched | step | peak | loss | loss diff |", "|---" * 8 + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | error: {' '.join(r['error'])} | | | | | |")
+            lines.append(f"| {r['row']} | error: {' '.join(r['error'])} | | | | | | |")
             continue
         tokens = f"{r['batch']}x{r['source']}" + (f" -> {r['batch']}x{r['target']}" if r["target"] else "")
         if r["family"] == "mlm":
@@ -235,7 +240,7 @@ def table(results: list[dict]) -> str:
         )
         parity = f"{r['max_loss_diff']:.1e}" + ("" if r["parity_ok"] else " (PARITY FAILED)")
         lines.append(f"| {r['row']} | {tokens} | {_cell(r, 'unpatched')} | {_cell(r, 'patched')} | "
-                     f"{r['step_ratio']:.3f}x | {peak_ratio} | {parity} |")  # fmt: skip
+                     f"{r['step_ratio']:.3f}x | {peak_ratio} | {r['loss']:.4g} | {parity} |")  # fmt: skip
     return "\n".join(lines)
 
 
