@@ -44,3 +44,18 @@ def test_a_masked_batch_labels_its_share_and_corrupts_those_inputs(families):
     kept = batch["labels"] != -100
     assert abs(kept.float().mean().item() - 0.15) < 0.02
     assert (batch["input_ids"][kept] != batch["labels"][kept]).float().mean() > 0.9
+
+
+def test_parity_is_relative_to_a_large_loss(families):
+    """A random-init T5 head gives a loss of ~500, where bf16 logits round by ~0.1: a difference
+    of 0.21 there is within 1e-3 of the loss; the same difference at a loss of 6 is not."""
+    row = families.ROWS["mt5_base_seq2seq"]
+
+    def runs(loss, diff):
+        seg = {"ms": [1.0, 1.0], "peak_gib": None}
+        return {"unpatched": [dict(seg, losses=[loss, loss], fused=False)],
+                "patched": [dict(seg, losses=[loss + diff, loss], fused=True)]}  # fmt: skip
+
+    assert families.summary("mt5", row, runs(516.0, 0.21))["parity_ok"]
+    assert not families.summary("mt5", row, runs(6.0, 0.21))["parity_ok"]
+    assert families.summary("mt5", row, runs(6.0, 0.01))["loss"] == 6.0

@@ -1,0 +1,505 @@
+"""Issue 43 ("No host stall"): what our fused linear cross-entropy costs a host-bound training step.
+
+A training step's host runs ahead of the GPU; an op that reads a value back (the label-range
+check) makes it wait for all the work queued before it, so small micro-batches, whose steps are
+bound by the host, train slower patched than unpatched. This measures the issue's targets 1-3 on
+one GPU, rows printed as JSON lines as they come:
+
+* ``"part": "op"`` (targets 1 and 2): one forward + backward of ``fused_linear_cross_entropy``
+  ("ours") and of the eager head + loss (``F.cross_entropy((hidden @ weight.T).float(), labels)``)
+  at N tokens x (H, V) heads, bf16, logits spread like a trained model's (std 3), with a share
+  ``ignored`` of the labels -100 at random positions. ``*_host_ms``: the host time of the call
+  while the GPU still has about 20 ms of earlier work queued (a ``torch.cuda._sleep`` spin
+  calibrated with events), no synchronisation until the call has returned;
+  ``gpu_still_busy_after_*``: whether that spin was still running when the call returned in every
+  repetition (for eager it must be: the measure's check; for ours it is the issue's target).
+  ``*_wall_ms``: the synchronised wall time of one call. Medians over repetitions after warm-ups.
+* ``"part": "step"`` (target 3): one AdamW (fused) training step of a random-init Qwen2.5-0.5B- and
+  Llama-3.2-1B-shaped model (bf16, sdpa) on a 1 x ``tokens`` batch whose first ``ignored`` share
+  of labels is -100 (a prompt), synchronised only at the step's boundaries: unpatched, patched
+  (``apply_liger_to`` on the same instance, then ``revert_liger``) and liger-kernel's fused head
+  (null when ``liger_kernel`` is not importable), alternating segments on one model with the same
+  batch and seeds; ``loss_rel_diff``: the largest relative difference of a patched step's loss
+  from the unpatched step's of the same round (learning rate 1e-6: the bf16 weights barely move).
+
+With ``--out`` the rows go there as a JSON list (the first element the environment, ``"part":
+"environment"``) and as markdown tables beside it (``.md``), both rewritten after every row so
+that a cut-off run keeps what it measured. Everything runs in this one process for that reason.
+
+    python benchmarks/host_bound.py --out docs/results/host_bound.json
+    python benchmarks/host_bound.py --parts step
+    python benchmarks/host_bound.py --smoke --out /tmp/hb.json   # tiny shapes on the CPU: a script check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import LLAMA_3_2_1B, QWEN2_5_05B, environment, fwd_bwd, make_inputs, need_cuda, write_json
+
+LOGIT_STD = 3.0  # a trained model's logits spread (docs/benchmarks.md)
+BUSY_MS = 20.0  # GPU work queued ahead of each host-timed call
+LOSS_REL_TOL = 1e-2  # bf16, patched against unpatched, relative, per step
+LR = 1e-6
+
+TINY_LLAMA = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                  tie_word_embeddings=True)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: the device and dtype, the op's shapes, the models and token counts
+    of the steps, and the repetition counts."""
+
+    device: str
+    dtype: torch.dtype
+    op_n: tuple[int, ...]
+    op_heads: tuple[tuple[int, int], ...]
+    models: dict[str, tuple[str, dict]]  # name: (family, config keywords)
+    tokens: tuple[int, ...]
+    ignored: tuple[float, ...] = (0.0, 0.25)
+    op_warmup: int = 3
+    op_reps: int = 10
+    step_warmup: int = 3
+    rounds: int = 2  # unpatched / patched segments per row
+    segment_steps: int = 4  # timed steps per segment (after one untimed): 8 per variant in all
+
+
+GPU_PLAN = Plan(
+    device="cuda",
+    dtype=torch.bfloat16,
+    op_n=(256, 1024, 4096, 16384),
+    op_heads=((896, 151936), (2048, 128256), (4096, 128256)),
+    models={"qwen2.5-0.5b": ("qwen2", QWEN2_5_05B), "llama-3.2-1b": ("llama", LLAMA_3_2_1B)},
+    tokens=(512, 2048, 8192),
+)
+SMOKE_PLAN = Plan(
+    device="cpu",
+    dtype=torch.float32,
+    op_n=(32,),
+    op_heads=((16, 97),),
+    models={"tiny-llama": ("llama", TINY_LLAMA)},
+    tokens=(32,),
+)
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU (nothing to wait for on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Drop what the last row left behind, so that the next row starts from an empty cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- the GPU work queued ahead of a host-timed call ----
+
+
+def sleep_cycles(busy_ms: float) -> int:
+    """``torch.cuda._sleep`` cycles that keep the GPU busy for about ``busy_ms``: the spin's rate
+    measured with events (median of three), as the SM clock sets it."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # the first launch loads the kernel
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return int(probe * busy_ms / statistics.median(times))
+
+
+class Backlog:
+    """Queues about ``BUSY_MS`` of GPU work (one spin kernel) and returns an event recorded right
+    after it; on the CPU queues nothing and returns ``None``."""
+
+    def __init__(self, device: str) -> None:
+        self.cycles = sleep_cycles(BUSY_MS) if device == "cuda" else 0
+
+    def queue(self) -> torch.cuda.Event | None:
+        """Launch the spin; the event that completes when it has run (``None`` on the CPU)."""
+        if not self.cycles:
+            return None
+        torch.cuda._sleep(self.cycles)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+
+# ---- part "op": one forward + backward, host time and wall time ----
+
+
+def eager_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unpatched head + loss: fp32 logits, then ``F.cross_entropy`` (as transformers' loss)."""
+    return F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100)
+
+
+def ours_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Our fused op at its defaults (``backend="auto"``: Triton on CUDA, PyTorch on the CPU)."""
+    import liger_patch as lp
+
+    return lp.fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def host_time(call: Callable[[], object], backlog: Backlog, device: str) -> tuple[float, bool]:
+    """Host ms of ``call()`` queued behind the backlog (timed without synchronising), and whether
+    the backlog was still running when it returned (always ``False`` on the CPU)."""
+    synchronize(device)
+    queued = backlog.queue()
+    start = time.perf_counter()
+    call()
+    ms = 1e3 * (time.perf_counter() - start)
+    busy = queued is not None and not queued.query()
+    synchronize(device)
+    return ms, busy
+
+
+def wall_time(call: Callable[[], object], device: str) -> float:
+    """Synchronised wall ms of ``call()``."""
+    synchronize(device)
+    start = time.perf_counter()
+    call()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def op_row(n: int, h: int, v: int, ignored: float, plan: Plan, backlog: Backlog) -> dict:
+    """One op row: ours and eager alternated in every repetition, so both see the same card state."""
+    hidden, weight, labels = make_inputs(
+        n, h, v, plan.dtype, ignore_frac=ignored, logit_std=LOGIT_STD, device=plan.device
+    )
+    calls = {
+        "ours": partial(fwd_bwd, ours_loss, hidden, weight, labels),
+        "eager": partial(fwd_bwd, eager_loss, hidden, weight, labels),
+    }
+    for _ in range(plan.op_warmup):
+        for call in calls.values():
+            call()
+    host: dict[str, list[float]] = {name: [] for name in calls}
+    busy: dict[str, list[bool]] = {name: [] for name in calls}
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(plan.op_reps):
+        for name, call in calls.items():
+            ms, still_busy = host_time(call, backlog, plan.device)
+            host[name].append(ms)
+            busy[name].append(still_busy)
+    for _ in range(plan.op_reps):
+        for name, call in calls.items():
+            wall[name].append(wall_time(call, plan.device))
+    hidden.grad = weight.grad = None
+    med = {f"{name}_{kind}_ms": statistics.median(times[name]) for kind, times in
+           (("host", host), ("wall", wall)) for name in calls}  # fmt: skip
+    return {
+        "part": "op", "N": n, "H": h, "V": v, "ignored": ignored,
+        "ours_host_ms": med["ours_host_ms"], "eager_host_ms": med["eager_host_ms"],
+        "ours_wall_ms": med["ours_wall_ms"], "eager_wall_ms": med["eager_wall_ms"],
+        "ours_over_eager_wall": med["ours_wall_ms"] / med["eager_wall_ms"],
+        "gpu_still_busy_after_eager": all(busy["eager"]),
+        "gpu_still_busy_after_ours": all(busy["ours"]),
+    }  # fmt: skip
+
+
+def op_rows(plan: Plan) -> Iterator[dict]:
+    """Every op row, N by N (smallest first); a row that fails is a row with ``error`` (the run
+    goes on)."""
+    backlog = Backlog(plan.device)
+    for n in plan.op_n:
+        for h, v in plan.op_heads:
+            for ignored in plan.ignored:
+                where = {"part": "op", "N": n, "H": h, "V": v, "ignored": ignored}
+                yield guarded(where, lambda n=n, h=h, v=v, i=ignored: op_row(n, h, v, i, plan, backlog))
+                free_memory()
+
+
+# ---- part "step": training steps of a whole model ----
+
+
+def build_model(family: str, config: dict, plan: Plan) -> torch.nn.Module:
+    """The random-init model in train mode, made on the device (a 1B model initialises in seconds
+    there, in a minute on the CPU), sdpa attention."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = (LlamaConfig if family == "llama" else Qwen2Config)(**config)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]  # its modules imported outside the device context (e2e.py)
+    with torch.device(plan.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=plan.dtype, attn_implementation="sdpa")
+    return model.train()
+
+
+def make_batch(tokens: int, vocab: int, ignored: float, device: str) -> dict[str, torch.Tensor]:
+    """One 1 x ``tokens`` sequence of random ids, its labels the ids with the first ``ignored``
+    share set to -100 (a prompt)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    labels = ids.clone()
+    labels[:, : round(tokens * ignored)] = -100
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict) -> tuple[torch.Tensor, bool]:
+    """One optimizer step; the loss (detached, not read back: no sync) and whether the fused path
+    ran (the logits came back ``None``)."""
+    out = model(**batch)  # no dropout in these configs: every step of a row computes the same loss
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out.loss.detach(), out.logits is None
+
+
+def segment(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, steps: int, device: str) -> dict:
+    """``steps`` steps each timed from a synchronised start to a synchronised end (ms), their
+    losses, and whether the fused path ran in every one."""
+    times, losses, fused = [], [], True
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        loss, fused_step = train_step(model, opt, batch)
+        synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+        losses.append(loss.float().item())
+        fused = fused and fused_step
+    return {"ms": times, "losses": losses, "fused": fused}
+
+
+@contextlib.contextmanager
+def ours_applied(model: torch.nn.Module) -> Iterator[None]:
+    """The model patched by ``apply_liger_to`` on the instance, reverted on exit."""
+    import liger_patch as lp
+
+    lp.apply_liger_to(model)
+    try:
+        yield
+    finally:
+        lp.revert_liger(model)
+
+
+@contextlib.contextmanager
+def liger_kernel_applied(model: torch.nn.Module, family: str) -> Iterator[None]:
+    """liger-kernel's fused linear cross-entropy only (rope, rms_norm, swiglu and its plain
+    cross-entropy off, as benchmarks/e2e.py runs it). Its patch replaces the class's ``forward``
+    for the process: the class's own is put back on exit."""
+    from liger_kernel import transformers as lk
+
+    patch = lk.apply_liger_kernel_to_llama if family == "llama" else lk.apply_liger_kernel_to_qwen2
+    cls = type(model)
+    original = cls.forward
+    patch(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
+    try:
+        yield
+    finally:
+        cls.forward = original
+
+
+def liger_kernel_available() -> bool:
+    """Whether ``liger_kernel`` imports (it is not a dependency: its column stays null without)."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def variants(
+    model: torch.nn.Module, family: str
+) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """The variants a step row alternates: each a context in which the model is that variant."""
+    out = {
+        "unpatched": contextlib.nullcontext,
+        "patched": partial(ours_applied, model),
+    }
+    if liger_kernel_available():
+        out["liger"] = partial(liger_kernel_applied, model, family)
+    return out
+
+
+def step_row(
+    name: str, family: str, model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: int,
+    ignored: float, plan: Plan,
+) -> dict:  # fmt: skip
+    """One step row: every variant warmed up, then ``plan.rounds`` rounds of one segment per
+    variant (the segment's first step untimed), on one batch."""
+    batch = make_batch(tokens, model.config.vocab_size, ignored, plan.device)
+    opt.zero_grad(set_to_none=True)  # nothing left over from a row that failed
+    kinds = variants(model, family)
+    for enter in kinds.values():
+        with enter():
+            segment(model, opt, batch, plan.step_warmup, plan.device)
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    for _ in range(plan.rounds):
+        for kind, enter in kinds.items():
+            with enter():
+                runs[kind].append(segment(model, opt, batch, plan.segment_steps + 1, plan.device))
+    return summarise(name, tokens, ignored, runs)
+
+
+def summarise(name: str, tokens: int, ignored: float, runs: dict[str, list[dict]]) -> dict:
+    """A step row from its segments: the medians of the timed steps, parity of the losses."""
+
+    def median_ms(kind: str) -> float | None:
+        if kind not in runs:
+            return None
+        return statistics.median(t for s in runs[kind] for t in s["ms"][1:])
+
+    pairs = zip(runs["unpatched"], runs["patched"], strict=True)
+    rel = max(abs(p - u) / abs(u) for a, b in pairs for u, p in zip(a["losses"], b["losses"], strict=True))
+    fused = all(s["fused"] for s in runs["patched"]) and not any(s["fused"] for s in runs["unpatched"])
+    row = {
+        "part": "step", "model": name, "tokens": tokens, "ignored": ignored,
+        "patched_step_ms": median_ms("patched"), "unpatched_step_ms": median_ms("unpatched"),
+        "liger_step_ms": median_ms("liger"),
+        "loss_rel_diff": rel,
+        "fused_ran": fused,
+    }  # fmt: skip
+    row["parity_ok"] = rel <= LOSS_REL_TOL and row["fused_ran"]
+    return row
+
+
+def model_rows(name: str, family: str, config: dict, plan: Plan) -> Iterator[dict]:
+    """One model's step rows: built once, with one fused AdamW for all its rows (a generator, so
+    that the model goes with its frame when the rows are done)."""
+    built = guarded({"part": "step", "model": name}, lambda: build_model(family, config, plan))
+    if "error" in built:
+        for tokens in plan.tokens:
+            for ignored in plan.ignored:
+                yield {**built, "tokens": tokens, "ignored": ignored}
+        return
+    model = built.pop("value")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    for tokens in plan.tokens:
+        for ignored in plan.ignored:
+            where = {"part": "step", "model": name, "tokens": tokens, "ignored": ignored}
+            yield guarded(where, partial(step_row, name, family, model, opt, tokens, ignored, plan))
+
+
+def step_rows(plan: Plan) -> Iterator[dict]:
+    """Every step row, model by model, the memory freed between models."""
+    for name, (family, config) in plan.models.items():
+        yield from model_rows(name, family, config, plan)
+        free_memory()
+
+
+# ---- running, reporting ----
+
+
+def guarded(where: dict, fn: Callable[[], object]) -> dict:
+    """``fn()``'s row (a dict), or ``{"value": result}`` for anything else; on an exception
+    ``where`` with ``error`` (the traceback goes to stderr), so that one failure costs one row."""
+    try:
+        result = fn()
+    except Exception as error:  # one run on a lent GPU: keep every other row
+        traceback.print_exc()
+        message = " ".join(f"{type(error).__name__}: {error}".split())  # one line: it goes in a table
+        return {**where, "error": message[:500]}
+    return result if isinstance(result, dict) else {"value": result}
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    """``x`` formatted, or ``n/a`` for a null (liger-kernel not installed)."""
+    return "n/a" if x is None else format(x, fmt)
+
+
+def op_table(rows: list[dict]) -> str:
+    """Markdown: the op rows."""
+    lines = [
+        "| N | H | V | ignored | ours host ms | eager host ms | ours wall ms | eager wall ms | "
+        "ours / eager wall | GPU busy after eager / ours |",
+        "|---" * 10 + "|",
+    ]
+    for r in rows:
+        head = f"| {r['N']} | {r['H']} | {r['V']} | {r['ignored']:.2f} |"
+        if "error" in r:
+            lines.append(f"{head} error: {r['error']} | | | | | |")
+            continue
+        busy = f"{r['gpu_still_busy_after_eager']} / {r['gpu_still_busy_after_ours']}"
+        lines.append(f"{head} {r['ours_host_ms']:.2f} | {r['eager_host_ms']:.2f} | {r['ours_wall_ms']:.2f} | "
+                     f"{r['eager_wall_ms']:.2f} | {r['ours_over_eager_wall']:.2f}x | {busy} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def step_table(rows: list[dict]) -> str:
+    """Markdown: the step rows."""
+    lines = [
+        "| model | tokens | ignored | patched ms | unpatched ms | liger-kernel ms | patched / unpatched | "
+        "loss rel diff |",
+        "|---" * 8 + "|",
+    ]
+    for r in rows:
+        head = f"| {r['model']} | {r['tokens']} | {r['ignored']:.2f} |"
+        if "error" in r:
+            lines.append(f"{head} error: {r['error']} | | | | |")
+            continue
+        ratio = r["patched_step_ms"] / r["unpatched_step_ms"]
+        parity = f"{r['loss_rel_diff']:.1e}" + ("" if r["parity_ok"] else " (PARITY FAILED)")
+        lines.append(f"{head} {r['patched_step_ms']:.1f} | {r['unpatched_step_ms']:.1f} | "
+                     f"{_num(r['liger_step_ms'], '.1f')} | {ratio:.3f}x | {parity} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_results(out: str, env: dict, rows: list[dict], seconds: float) -> None:
+    """The JSON list (environment first, then the rows) at ``out`` and the tables beside it."""
+    write_json(out, [env, *rows])
+    ops = [r for r in rows if r["part"] == "op"]
+    steps = [r for r in rows if r["part"] == "step"]
+    text = f"Measured on {env['device']} (torch {env['torch']}, triton {env['triton']}, transformers "
+    text += f"{env['transformers']}), {seconds:.0f} s; issue 43 targets 1-3.\n"
+    if ops:
+        text += f"\nOne forward + backward; host time with the GPU about {BUSY_MS:.0f} ms behind.\n\n"
+        text += op_table(ops) + "\n"
+    if steps:
+        text += "\nOne fused-AdamW training step, 1 x tokens, synchronised at its boundaries.\n\n"
+        text += step_table(steps) + "\n"
+    Path(out).with_suffix(".md").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="JSON rows (the markdown tables beside it, .md)")
+    parser.add_argument("--parts", default="op,step", help="comma-separated: op, step")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check of the script")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - {"op", "step"}:
+        parser.error(f"unknown parts: {sorted(unknown)}")
+    if not args.smoke and not need_cuda(__file__):
+        return 2
+    plan = SMOKE_PLAN if args.smoke else GPU_PLAN
+    env = {"part": "environment", **environment("transformers"), "smoke": args.smoke}
+    started = time.perf_counter()
+    sources = {"op": op_rows, "step": step_rows}
+    rows: list[dict] = []
+    for part in parts:
+        for row in sources[part](plan):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                write_results(args.out, env, rows, time.perf_counter() - started)
+    print(f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+    failed = [r for r in rows if "error" in r or not r.get("parity_ok", True)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

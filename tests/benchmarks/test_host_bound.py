@@ -1,0 +1,38 @@
+"""``benchmarks/host_bound.py`` on the CPU (``--smoke``): both parts' rows with the fields issue
+43 names, the patched steps fused and equal to the unpatched ones, the JSON and the tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+OP_FIELDS = {"part", "N", "H", "V", "ignored", "ours_host_ms", "eager_host_ms", "ours_wall_ms",
+             "eager_wall_ms"}  # fmt: skip
+STEP_FIELDS = {"part", "model", "tokens", "ignored", "patched_step_ms", "unpatched_step_ms", "liger_step_ms"}
+
+
+@pytest.fixture(scope="module")
+def host_bound(import_script):
+    return import_script("host_bound")
+
+
+def test_smoke_writes_both_parts(host_bound, tmp_path):
+    out = tmp_path / "hb.json"
+    assert host_bound.main(["--smoke", "--out", str(out)]) == 0
+    env, *rows = json.loads(out.read_text())
+    assert env["part"] == "environment" and env["smoke"]
+    ops = [r for r in rows if r["part"] == "op"]
+    steps = [r for r in rows if r["part"] == "step"]
+    assert [r["ignored"] for r in ops] == [0.0, 0.25] and [r["ignored"] for r in steps] == [0.0, 0.25]
+    for row in ops:
+        assert row.keys() >= OP_FIELDS and all(row[k] > 0 for k in OP_FIELDS if k.endswith("_ms"))
+    for row in steps:
+        assert row.keys() >= STEP_FIELDS and row["fused_ran"] and row["parity_ok"], row
+    table = (tmp_path / "hb.md").read_text()
+    assert "ours host ms" in table and "patched / unpatched" in table
+
+
+def test_an_unknown_part_is_refused(host_bound):
+    with pytest.raises(SystemExit):
+        host_bound.main(["--smoke", "--parts", "op,steps"])
