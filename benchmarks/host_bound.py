@@ -22,8 +22,8 @@ one GPU, rows printed as JSON lines as they come:
   batch and seeds; ``loss_rel_diff``: the largest relative difference of a patched step's loss
   from the unpatched step's of the same round (learning rate 1e-6: the bf16 weights barely move).
 
-With ``--out`` the rows go there as a JSON list (the first element the environment, ``"part":
-"environment"``) and as markdown tables beside it (``.md``), both rewritten after every row so
+With ``--out`` the rows go there as JSON (the environment's keys and ``"rows"``, a list) and as
+markdown tables beside it (``.md``), both rewritten after every row so
 that a cut-off run keeps what it measured. Everything runs in this one process for that reason.
 
     python benchmarks/host_bound.py --out docs/results/host_bound.json
@@ -457,8 +457,8 @@ def step_table(rows: list[dict]) -> str:
 
 
 def write_results(out: str, env: dict, rows: list[dict], seconds: float) -> None:
-    """The JSON list (environment first, then the rows) at ``out`` and the tables beside it."""
-    write_json(out, [env, *rows])
+    """The JSON (the environment's keys and ``rows``) at ``out`` and the tables beside it."""
+    write_json(out, {**env, "rows": rows})
     ops = [r for r in rows if r["part"] == "op"]
     steps = [r for r in rows if r["part"] == "step"]
     text = f"Measured on {env['device']} (torch {env['torch']}, triton {env['triton']}, transformers "
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not need_cuda(__file__):
         return 2
     plan = SMOKE_PLAN if args.smoke else GPU_PLAN
-    env = {"part": "environment", **environment("transformers"), "smoke": args.smoke}
+    env = {**environment("transformers"), "smoke": args.smoke}
     started = time.perf_counter()
     sources = {"op": op_rows, "step": step_rows}
     rows: list[dict] = []

@@ -20,8 +20,9 @@ def host_bound(import_script):
 def test_smoke_writes_both_parts(host_bound, tmp_path):
     out = tmp_path / "hb.json"
     assert host_bound.main(["--smoke", "--out", str(out)]) == 0
-    env, *rows = json.loads(out.read_text())
-    assert env["part"] == "environment" and env["smoke"]
+    written = json.loads(out.read_text())
+    assert written["smoke"] and written["device"]
+    rows = written["rows"]
     ops = [r for r in rows if r["part"] == "op"]
     steps = [r for r in rows if r["part"] == "step"]
     assert [r["ignored"] for r in ops] == [0.0, 0.25] and [r["ignored"] for r in steps] == [0.0, 0.25]
