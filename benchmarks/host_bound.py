@@ -419,41 +419,51 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def markdown_table(columns: list[str], rows: list[dict], keys: Callable, values: Callable) -> str:
+    """Markdown: a row's ``keys(row)`` cells, then its ``values(row)`` cells or, for a row that
+    failed, its error padded to the table's width."""
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for r in rows:
+        head = keys(r)
+        if "error" in r:
+            body = [f"error: {r['error']}", *[""] * (len(columns) - len(head) - 1)]
+        else:
+            body = values(r)
+        lines.append("| " + " | ".join([*head, *body]) + " |")
+    return "\n".join(lines)
+
+
 def op_table(rows: list[dict]) -> str:
     """Markdown: the op rows."""
-    lines = [
-        "| N | H | V | ignored | ours host ms | eager host ms | ours wall ms | eager wall ms | "
-        "ours / eager wall | GPU busy after eager / ours |",
-        "|---" * 10 + "|",
-    ]
-    for r in rows:
-        head = f"| {r['N']} | {r['H']} | {r['V']} | {r['ignored']:.2f} |"
-        if "error" in r:
-            lines.append(f"{head} error: {r['error']} | | | | | |")
-            continue
+    columns = ["N", "H", "V", "ignored", "ours host ms", "eager host ms", "ours wall ms", "eager wall ms",
+               "ours / eager wall", "GPU busy after eager / ours"]  # fmt: skip
+
+    def keys(r: dict) -> list[str]:
+        return [str(r["N"]), str(r["H"]), str(r["V"]), f"{r['ignored']:.2f}"]
+
+    def values(r: dict) -> list[str]:
+        times = [f"{r[k]:.2f}" for k in ("ours_host_ms", "eager_host_ms", "ours_wall_ms", "eager_wall_ms")]
         busy = f"{r['gpu_still_busy_after_eager']} / {r['gpu_still_busy_after_ours']}"
-        lines.append(f"{head} {r['ours_host_ms']:.2f} | {r['eager_host_ms']:.2f} | {r['ours_wall_ms']:.2f} | "
-                     f"{r['eager_wall_ms']:.2f} | {r['ours_over_eager_wall']:.2f}x | {busy} |")  # fmt: skip
-    return "\n".join(lines)
+        return [*times, f"{r['ours_over_eager_wall']:.2f}x", busy]
+
+    return markdown_table(columns, rows, keys, values)
 
 
 def step_table(rows: list[dict]) -> str:
     """Markdown: the step rows."""
-    lines = [
-        "| model | tokens | ignored | patched ms | unpatched ms | liger-kernel ms | patched / unpatched | "
-        "loss rel diff |",
-        "|---" * 8 + "|",
-    ]
-    for r in rows:
-        head = f"| {r['model']} | {r['tokens']} | {r['ignored']:.2f} |"
-        if "error" in r:
-            lines.append(f"{head} error: {r['error']} | | | | |")
-            continue
+    columns = ["model", "tokens", "ignored", "patched ms", "unpatched ms", "liger-kernel ms",
+               "patched / unpatched", "loss rel diff"]  # fmt: skip
+
+    def keys(r: dict) -> list[str]:
+        return [r["model"], str(r["tokens"]), f"{r['ignored']:.2f}"]
+
+    def values(r: dict) -> list[str]:
         ratio = r["patched_step_ms"] / r["unpatched_step_ms"]
         parity = f"{r['loss_rel_diff']:.1e}" + ("" if r["parity_ok"] else " (PARITY FAILED)")
-        lines.append(f"{head} {r['patched_step_ms']:.1f} | {r['unpatched_step_ms']:.1f} | "
-                     f"{_num(r['liger_step_ms'], '.1f')} | {ratio:.3f}x | {parity} |")  # fmt: skip
-    return "\n".join(lines)
+        return [f"{r['patched_step_ms']:.1f}", f"{r['unpatched_step_ms']:.1f}",
+                _num(r["liger_step_ms"], ".1f"), f"{ratio:.3f}x", parity]  # fmt: skip
+
+    return markdown_table(columns, rows, keys, values)
 
 
 def write_results(out: str, env: dict, rows: list[dict], seconds: float) -> None:
