@@ -160,6 +160,18 @@ def _counting(module: nn.Module, calls: dict) -> object:
     return counted
 
 
+def _masked_lm_pair(model_class, config) -> tuple[nn.Module, nn.Module, dict[str, torch.Tensor]]:
+    """A masked LM of ``config`` (vocabulary 300) in train mode, a patched copy, and a batch with
+    about 30 % of its tokens labelled."""
+    torch.manual_seed(0)
+    reference = model_class(config).train()
+    patched = copy.deepcopy(reference)
+    lp.apply_liger_to(patched)
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3, -100)
+    return reference, patched, {"input_ids": ids, "labels": labels}
+
+
 def test_a_head_that_is_not_the_projection_is_refused_saying_so():
     """DeBERTa-v2's non-legacy masked-LM head: ``get_output_embeddings()`` names its transform's
     dense layer, and the logits are a matmul with the input embedding's weight: refused, equal to
@@ -168,18 +180,13 @@ def test_a_head_that_is_not_the_projection_is_refused_saying_so():
 
     config = DebertaV2Config(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, legacy=False)  # fmt: skip
-    torch.manual_seed(0)
-    reference = DebertaV2ForMaskedLM(config).train()
-    patched = copy.deepcopy(reference)
-    lp.apply_liger_to(patched)
-    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3, -100)
+    reference, patched, masked = _masked_lm_pair(DebertaV2ForMaskedLM, config)
     try:
-        want, _ = step(reference, {"input_ids": ids, "labels": labels}, 4)
+        want, _ = step(reference, masked, 4)
     except RuntimeError as why:  # transformers 4.57: its legacy=False head fails on its own
         pytest.skip(f"this transformers' DeBERTa-v2 legacy=False head fails unpatched: {why}")
     with pytest.warns(UserWarning, match="gives 32 outputs, not the vocabulary's 300"):
-        got, _ = step(patched, {"input_ids": ids, "labels": labels}, 4)
+        got, _ = step(patched, masked, 4)
     assert torch.equal(got, want)
 
 
@@ -193,16 +200,11 @@ def test_a_head_whose_weight_is_used_but_never_called_is_refused_naming_who_uses
     config = MobileBertConfig(vocab_size=300, hidden_size=64, embedding_size=32, num_hidden_layers=2,
                               num_attention_heads=4, intermediate_size=64, intra_bottleneck_size=32,
                               true_hidden_size=32, hidden_dropout_prob=0.3)  # fmt: skip
-    torch.manual_seed(0)
-    reference = MobileBertForMaskedLM(config).train()
-    patched = copy.deepcopy(reference)
-    lp.apply_liger_to(patched)
-    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
-    labels = ids.masked_fill(torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3, -100)
-    want, want_grads = step(reference, {"input_ids": ids, "labels": labels}, 4)
+    reference, patched, masked = _masked_lm_pair(MobileBertForMaskedLM, config)
+    want, want_grads = step(reference, masked, 4)
     made_by = "MobileBertLMPredictionHead.forward makes the logits from decoder.weight"
     with pytest.warns(UserWarning, match=made_by):
-        got, grads = step(patched, {"input_ids": ids, "labels": labels}, 4)
+        got, grads = step(patched, masked, 4)
     assert torch.equal(got, want)
     assert all(torch.equal(grad, want_grads[name]) for name, grad in grads.items())
     assert "cls.predictions.decoder" in patch_state(patched).unfusable_reason
