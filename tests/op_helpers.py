@@ -6,12 +6,15 @@ dtype under test; the fp64 reference sees exactly the rounded values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
+import pytest
 import torch
 
 import liger_patch as lp
+from liger_patch.ops.core import deferred_checks
 from liger_patch.ops.cross_entropy.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
 from liger_patch.ops.reference import reference_flce
 
@@ -488,3 +491,13 @@ def capture_step(step, static: dict, leaves: tuple[str, ...]):
         return tuple(o.clone() for o in outputs), {n: static[n].grad.clone() for n in leaves}
 
     return replay
+
+
+@contextlib.contextmanager
+def raises_by_step(exc, match=None):
+    """``pytest.raises`` for a bad label or ``num_items_in_batch``: raised by the call itself, or,
+    on CUDA when the GPU had not checked the labels by the time the call needed them, by the
+    deferred check (``core/deferred_checks.py``) before any optimizer step."""
+    with pytest.raises(exc, match=match):
+        yield
+        deferred_checks.raise_pending()

@@ -1,17 +1,16 @@
-"""The first token chunk's logits GEMM, started before the forward's host sync.
+"""The first token chunk's logits GEMM, started before the forward waits for its label check.
 
-The label check (``kept_rows``) reads a few values back to the host, and the GPU then waits
-while the host sets up the chunk loop: 0.3-0.5 ms a call, 5-11 % of a small head on an H100
-(docs/perf-notes.md item 35). ``start`` launches the fused logits GEMM for the first rows of
-the first token chunk, into that chunk's own buffers, after the check's device work and before
-its values are waited for, so the GPU computes while the host waits. Whether the call will walk
-every row or only the kept ones is what the check reads; the head is started for what the last
-call of this shape did (``expects_skip``): every row's first rows as views, or the first kept
-rows (``nonzero_static``, no sync) gathered. If the call then walks its rows that way with that
-plan, ``finish`` computes the chunk's other rows into the same buffers and the chunk goes on as
-any other: every row's logits come from the same kernel and tiles, so results are bit for bit
-those of one launch. Otherwise the buffers are dropped, and the GEMM spent on them (measured:
-up to 0.4 ms at the smallest heads, item 37) is lost, once, until the record says otherwise.
+A forward waits for its label check only where it expects to skip the ignored rows
+(``kept_rows.expects_skip``); the GPU would then idle while the host waits and sets up the chunk
+loop: 0.3-0.5 ms a call, 5-11 % of a small head on an H100 (docs/perf-notes.md item 35).
+``start`` launches the fused logits GEMM for the first kept rows of the first token chunk
+(``nonzero_static``, no sync, gathered), into that chunk's own buffers, after the check's device
+work and before its answer is waited for, so the GPU computes while the host waits. If the call
+then walks the kept rows with that plan, ``finish`` computes the chunk's other rows into the
+same buffers and the chunk goes on as any other: every row's logits come from the same kernel
+and tiles, so results are bit for bit those of one launch. Otherwise (the answer says too few
+are ignored after all) the buffers are dropped, and the GEMM spent on them (measured: up to 0.4
+ms at the smallest heads, item 37) is lost.
 """
 
 from __future__ import annotations
@@ -26,20 +25,6 @@ from liger_patch.ops.core.gemm import LogitsGemm
 
 _ROW_ALIGN = 128  # the fused GEMM's row tile on CUDA: each launch covers whole tiles
 _INTERPRET_ROW_ALIGN = 16  # its row tile under the interpreter
-
-
-_LAST_SKIPPED: dict[tuple, bool] = {}  # (device, rows, vocab) -> whether that call skipped rows
-
-
-def expects_skip(key: tuple) -> bool:
-    """Whether the last forward of this ``(device, rows, vocab)`` skipped ignored rows."""
-    return _LAST_SKIPPED.get(key, False)
-
-
-def remember(key: tuple, skipped: bool) -> None:
-    if len(_LAST_SKIPPED) >= 256 and key not in _LAST_SKIPPED:
-        _LAST_SKIPPED.clear()
-    _LAST_SKIPPED[key] = skipped
 
 
 @dataclass

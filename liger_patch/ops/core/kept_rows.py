@@ -1,24 +1,30 @@
-"""A forward's one host sync: the label range check, which also reads how many labels are kept
-and, when enough are ignored (``Tuning.skip_ignored_share``), the index of the kept rows that the
-token pass then walks alone; and the rows' weights in the reduced loss that follow from it.
+"""The label range check of a forward, which also gives the rows its token pass walks and their
+weights in the reduced loss; and, when the check's answer is on the host, how many labels are
+kept and, when enough are ignored (``Tuning.skips_ignored``), the index of the kept rows that
+the token pass then walks alone.
 
-In two steps, so that the GPU has work while the host waits: ``begin_label_check`` queues the
-check's device work and the copy of its values to the host; the caller queues the start of its
-first chunk (``head_start``); ``finish_label_check`` waits for the values. Both losses' forwards
-run it. While a CUDA graph is captured no sync is allowed: out-of-range labels are then turned
-into ``ignore_index`` (kernels never index with them), every row is walked, and the loss and every
-gradient are multiplied by a 0-d ``poison`` factor, NaN when anything was bad and 1 otherwise
-(docs/loss.md).
+In two steps: ``begin_label_check`` queues the check's device work and the copy of its answer to
+the host; ``finish_label_check`` takes the answer if it is there. On CUDA it waits for it only
+when skipping the ignored rows pays at the share the last read check of that shape saw
+(``Tuning.waits_to_skip``, ``expects_skip``): the caller then queues the start of its first
+chunk over the kept rows (``head_start``) before, so the GPU computes while the host waits.
+Otherwise the host does not wait: every row is walked, out-of-range labels are turned into
+``ignore_index`` (kernels never index with them), the loss and every gradient are multiplied by
+a 0-d ``poison`` factor, NaN when anything was bad and 1 otherwise, and the check is left to
+``deferred_checks``, which raises its error before any optimizer steps. That is also the path
+while a CUDA graph is captured (no sync allowed), where no check is kept: a replay with a bad
+label poisons (docs/loss.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import validation
+from liger_patch.ops.core import deferred_checks, validation
 from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, row_weights
 from liger_patch.ops.core.tuning import Tuning
 
@@ -52,6 +58,12 @@ class PendingLabels:
     num_items: NumItems
     divisor: Tensor | float | None
     started: validation.ValueCheck | None
+    shape_key: tuple = ()
+    work_gflop: float = 0.0
+
+    def expected_share(self) -> float:
+        """The share of ignored labels the last read check of this shape saw (unknown: 1)."""
+        return _IGNORED_SHARE.get(self.shape_key, 1.0)
 
     @property
     def user_divisor(self) -> Tensor | None:
@@ -82,9 +94,15 @@ def begin_label_check(
     reduction: str,
     class_weights: Tensor | None,
     num_items: NumItems,
+    shape_key: tuple = (),
+    work_gflop: float = 0.0,
 ) -> PendingLabels:
     """Queue the check of ``labels`` (N,) against ``vocab`` (and of a ``num_items`` tensor), with
-    the divisor of "mean" unless it is the kept count (no launches for it: read in the sync)."""
+    the divisor of "mean" unless it is the kept count (no launches for it: read with the check).
+    First, raise a deferred check's error if its answer has come (``deferred_checks``).
+    ``shape_key`` names calls alike enough to expect the same share of ignored labels;
+    ``work_gflop``: the GEMMs of the call's token pass over every row."""
+    deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
     keep = labels != ignore_index
     divisor = None
@@ -95,23 +113,58 @@ def begin_label_check(
     if not capturing(labels):
         started = validation.start_value_check(labels, vocab, ignore_index, user_divisor)
     return PendingLabels(
-        labels, keep, vocab, ignore_index, reduction, class_weights, num_items, divisor, started
-    )
+        labels, keep, vocab, ignore_index, reduction, class_weights, num_items, divisor, started,
+        shape_key, work_gflop,
+    )  # fmt: skip
+
+
+_IGNORED_SHARE: dict[tuple, float] = {}  # shape key -> share of ignored labels at its last read check
+
+
+def _remember_share(key: tuple, n_rows: int) -> Callable[[int], None]:
+    def remember(n_kept: int) -> None:
+        if len(_IGNORED_SHARE) >= 256 and key not in _IGNORED_SHARE:
+            _IGNORED_SHARE.clear()
+        _IGNORED_SHARE[key] = (n_rows - n_kept) / max(n_rows, 1)
+
+    return remember
+
+
+def expects_skip(pending: PendingLabels, tuning: Tuning) -> bool:
+    """Whether the forward expects to skip its ignored rows, at the share the last read check
+    of its shape saw: it then reads the check's answer, on CUDA waiting for it if need be, and
+    begins its first chunk over the kept rows before (``head_start``)."""
+    return pending.started is not None and tuning.waits_to_skip(pending.expected_share(), pending.work_gflop)
+
+
+def reads(pending: PendingLabels, tuning: Tuning) -> bool:
+    """Whether ``finish_label_check`` reads the check's answer now: it has come (always on the
+    CPU), or the forward expects to skip ignored rows, or ``Tuning.wait_to_skip_gflop`` is 0
+    (always read, waiting for it on CUDA, as before issue 43)."""
+    started = pending.started
+    if started is None:
+        return False
+    return started.is_ready() or tuning.wait_to_skip_gflop == 0 or expects_skip(pending, tuning)
 
 
 def finish_label_check(pending: PendingLabels, tuning: Tuning) -> CheckedLabels:
-    """Wait for the check (raising as ``validation.check_values`` does, in one host sync, which
-    also reads the number of kept labels) and give the rows to walk: with at least
-    ``tuning.skip_ignored_share`` of the labels ignored, the kept rows' index. While a CUDA graph
-    is captured: no sync, every row, and the poison factor (see the module doc)."""
+    """The check's answer and the rows to walk. Where it ``reads`` the answer: raise as
+    ``validation.check_values`` does, and walk the kept rows' index when enough labels are
+    ignored (``Tuning.skips_ignored``). Otherwise no sync: every row, the sanitized labels and
+    the poison factor (see the module doc)."""
     labels, keep, poison, kept_rows, n_kept = pending.labels, pending.keep, None, None, None
-    if pending.started is not None:
-        n_kept = pending.started.result()
-        if tuning.skips_ignored(labels.shape[0], n_kept):
+    started, n_rows = pending.started, labels.shape[0]
+    on_read = _remember_share(pending.shape_key, n_rows)
+    if reads(pending, tuning):
+        n_kept = started.result()
+        on_read(n_kept)
+        if tuning.skips_ignored(n_rows, n_kept):
             kept_rows = torch.nonzero_static(keep, size=n_kept).view(-1)
     else:
         labels, poison = _sanitized(pending)
         keep = labels != pending.ignore_index
+        if started is not None:
+            deferred_checks.defer(started, on_read)
     divisor = pending.divisor
     if divisor is None:
         divisor = loss_divisor(pending.reduction, keep, labels, pending.class_weights, None, None, n_kept)
@@ -138,19 +191,27 @@ def _out_of_range(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
     return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
 
 
-def in_range_while_captured(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
-    """``labels`` for a recomputing backward: while a CUDA graph is captured, with every
-    out-of-range label made ``ignore_index`` as the forward did (its coefficients carry the
-    poison), so no kernel indexes with one; otherwise as they are (the forward checked them)."""
-    if not capturing(labels):
+def walks_every_row(labels: Tensor) -> bool:
+    """Whether the forward over ``labels`` may have walked every row without reading its check
+    (on CUDA, or while a graph is captured), so that its backward walks every row too."""
+    return labels.is_cuda or capturing(labels)
+
+
+def in_range_unless_read(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
+    """``labels`` for a recomputing backward: on CUDA, where its forward may not have read its
+    check (see the module doc), with every out-of-range label made ``ignore_index`` as that
+    forward did (its coefficients carry the poison), so no kernel indexes with one; on the CPU,
+    whose forward always read it (unless captured), as they are."""
+    if not walks_every_row(labels):
         return labels
     return torch.where(_out_of_range(labels, vocab, ignore_index), ignore_index, labels)
 
 
 def kept_index(labels: Tensor, ignore_index: int) -> Tensor | None:
-    """The kept rows' index for a pass that walks only them, read with a host sync (``nonzero``);
-    ``None`` (every row) when every row is kept, and while a CUDA graph is captured (no sync)."""
-    if capturing(labels):
+    """The kept rows' index for a pass that walks only them, read with a host sync (``nonzero``),
+    on the CPU only; ``None`` (every row) when every row is kept, and on CUDA, whose host must
+    not wait for the GPU."""
+    if walks_every_row(labels):
         return None
     kept = torch.nonzero(labels != ignore_index).view(-1)
     return None if kept.shape[0] == labels.shape[0] else kept

@@ -53,6 +53,14 @@ class Tuning:
             its token chunks gather the kept rows and skip the ignored ones, so every GEMM
             shrinks by that share (item 28); below it, the gathers would cost more than the rows
             they save. ``1.0`` or more turns skipping off; ``0.0`` skips any ignored row.
+        wait_to_skip_gflop: on CUDA, a forward whose label check has not answered when its token
+            pass starts waits for it (a host sync: the host loses its lead on the GPU) only to
+            skip the ignored rows, and only when that saves at least this many GFLOP of its
+            GEMMs at the share of ignored labels the last read check of its shape saw (unknown:
+            all); otherwise it walks every row, weighing ignored ones 0, and the check is read
+            later (``kept_rows``). Issue 43 (benchmarks/experiments/wait_to_skip_ab.py, H200, 20 %
+            ignored): waiting to skip gained 8-15 % of a call from about 330-650 GFLOP saved and
+            lost up to 27 % below. ``0``: always wait for the check, as before issue 43.
         head_start_gflop: about this many GFLOP of the first token chunk's fused logits GEMM
             are launched before the forward waits for its label check (``head_start.py``), so
             the GPU computes while the host waits and sets up the chunk loop; ``0`` turns it
@@ -71,6 +79,7 @@ class Tuning:
     fp32_grad_weight: bool | None = None
     balanced_chunks: bool = False
     skip_ignored_share: float = 0.05
+    wait_to_skip_gflop: float = 400.0
     head_start_gflop: float = 300.0
 
     def __post_init__(self) -> None:
@@ -92,6 +101,9 @@ class Tuning:
         gflop = self.head_start_gflop
         if isinstance(gflop, bool) or not isinstance(gflop, (int, float)) or not 0 <= gflop < math.inf:
             raise ValueError(f"Tuning.head_start_gflop must be a finite number >= 0, got {gflop!r}")
+        saved = self.wait_to_skip_gflop
+        if isinstance(saved, bool) or not isinstance(saved, (int, float)) or not saved >= 0:
+            raise ValueError(f"Tuning.wait_to_skip_gflop must be a number >= 0 (inf: never), got {saved!r}")
         if len(self.logits_tiles) != 5:
             raise ValueError(
                 f"Tuning.logits_tiles must be (BM, BN, BK, stages, warps), got {self.logits_tiles!r}"
@@ -119,6 +131,14 @@ class Tuning:
         kept rows: some are ignored, at least ``skip_ignored_share`` of them."""
         n_ignored = n_rows - n_kept
         return n_ignored > 0 and n_ignored >= self.skip_ignored_share * n_rows
+
+    def waits_to_skip(self, ignored_share: float, work_gflop: float) -> bool:
+        """Whether a forward of ``work_gflop`` GFLOP of GEMMs over every row, expecting
+        ``ignored_share`` of its labels ignored, waits for its unanswered label check to skip
+        them (``wait_to_skip_gflop``)."""
+        if ignored_share <= 0 or ignored_share < self.skip_ignored_share:
+            return False
+        return work_gflop * ignored_share >= self.wait_to_skip_gflop
 
     def warps_for(self, block: int) -> int:
         """Warps for a row-kernel block of ``block`` columns (``row_warps``, first match)."""

@@ -154,6 +154,12 @@ def autocast_inputs(
     return hidden, weight, bias
 
 
+_LATE = (
+    " (found after the call that took it had returned, as the GPU had not checked the labels yet: "
+    "that call's loss and gradients are NaN)"
+)
+
+
 class ValueCheck(NamedTuple):
     """A label check started on the device (``start_value_check``) whose values come back to
     the host later, in ``result``: work enqueued in between runs while the host waits."""
@@ -165,9 +171,14 @@ class ValueCheck(NamedTuple):
     host: torch.Tensor | None  # (n_kept, low, high[, bad divisor]) on the host, once ``ready``
     ready: torch.cuda.Event | None  # None: ``host`` was filled synchronously (CPU, or no labels)
 
-    def result(self) -> int:
+    def is_ready(self) -> bool:
+        """Whether ``result`` can be read without waiting for the GPU."""
+        return self.ready is None or self.ready.query()
+
+    def result(self, deferred: bool = False) -> int:
         """The number of labels that are not ``ignore_index``; raises for a bad label or
-        ``num_items_in_batch`` as ``check_values`` says."""
+        ``num_items_in_batch`` as ``check_values`` says (``deferred``: the error says that it
+        comes from a call that returned before its check was read, with NaN results)."""
         if self.host is None:  # no labels
             divisor = self.divisor
             if divisor is not None and not bool(torch.isfinite(divisor) & (divisor >= 0)):
@@ -176,17 +187,24 @@ class ValueCheck(NamedTuple):
         if self.ready is not None:
             self.ready.synchronize()
         n_kept, low, high, *bad_divisor = self.host.tolist()
+        late = _LATE if deferred else ""
         if bad_divisor and bad_divisor[0]:
-            raise ValueError(f"num_items_in_batch must be finite and >= 0, got {self.divisor.item()}")
+            raise ValueError(f"num_items_in_batch must be finite and >= 0, got {self.divisor.item()}{late}")
         if low >= 0 and high < self.vocab:
             return n_kept
         labels = self.labels
         bad_labels = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab))
+        if not bool(bad_labels.any()):  # changed in place since the check
+            value = low if low < 0 else high
+            raise IndexError(
+                f"label {value} is outside [0, {self.vocab}) and is not "
+                f"ignore_index={self.ignore_index}{late}"
+            )
         position = int(bad_labels.nonzero()[0, 0])
         value = int(labels[position])
         raise IndexError(
             f"label {value} at flat position {position} is outside [0, {self.vocab}) and is not "
-            f"ignore_index={self.ignore_index}"
+            f"ignore_index={self.ignore_index}{late}"
         )
 
 

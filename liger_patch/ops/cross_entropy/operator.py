@@ -19,8 +19,10 @@
 * A fake implementation gives every output's shape from the inputs' (symbolic) shapes, so a
   compiled caller is not specialised to the token count.
 
-Host synchronisation: one per forward, the label range check (``core/kept_rows.py``), and none
-while a CUDA graph is being captured; a bad label then makes the loss and every gradient NaN
+Host synchronisation: none in the backward, and in the forward only to read the label range
+check when skipping the ignored rows is worth the wait (``core/kept_rows.py``); else a bad label
+makes the loss and every gradient NaN and raises before any optimizer step
+(``core/deferred_checks.py``), and while a CUDA graph is being captured it only poisons
 (docs/loss.md).
 """
 
@@ -37,8 +39,9 @@ from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     NumItems,
     begin_label_check,
+    expects_skip,
     finish_label_check,
-    in_range_while_captured,
+    in_range_unless_read,
 )
 from liger_patch.ops.core.reduction import reduce_rows
 from liger_patch.ops.cross_entropy import chunk_plan
@@ -93,20 +96,22 @@ def _forward_call(
     )
 
 
-def _shape_key(call: ChunkCall) -> tuple:
-    return (call.inputs.hidden.device, call.labels.shape[0], call.inputs.weight.shape[0])
+def _gemm_gflop(hidden: Tensor, weight: Tensor, reduction: str, needs: list[bool]) -> float:
+    """The forward's GEMM work over every row, in GFLOP: the logits and the gradients computed here."""
+    precompute = grads_in_forward(reduction, hidden.dtype, needs)
+    gemms = 1 + sum(precompute and need for need in needs[:2])
+    return 2 * hidden.shape[0] * hidden.shape[1] * weight.shape[0] * gemms / 1e9
 
 
 def _begin_head(call: ChunkCall, keep: Tensor) -> tuple[head_start.HeadStart | None, int]:
-    """The first chunk begun while the host waits for the label check (``chunk_plan.start_head``),
-    over the kept rows where the last call of this shape skipped some and the budget does not
-    depend on how many; and the budget of a walk over every row."""
+    """The first chunk begun over the kept rows while the host waits for the label check to skip
+    the ignored ones (``chunk_plan.start_head``), unless the budget depends on how many are kept;
+    and the budget of a walk over every row."""
     budget_all = _budget_bytes(call, None)
-    skip = head_start.expects_skip(_shape_key(call))
-    if skip and _budget_bytes(call, call.labels[:1]) != budget_all:
+    if _budget_bytes(call, call.labels[:1]) != budget_all:
         return None, budget_all
     planned = dataclasses.replace(call, budget_bytes=budget_all)
-    return chunk_plan.start_head(planned, call.wanted.weight, keep if skip else None), budget_all
+    return chunk_plan.start_head(planned, call.wanted.weight, keep), budget_all
 
 
 def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int | None) -> ChunkCall:
@@ -168,16 +173,16 @@ def flce(
     cw = ClassWeight.of(class_weight)
     pending = begin_label_check(
         labels, weight.shape[0], opts.ignore_index, opts.reduction, None if cw is None else cw.weight,
-        NumItems(num_items, num_items_value),
+        NumItems(num_items, num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
+        _gemm_gflop(hidden, weight, opts.reduction, needs),
     )  # fmt: skip
     low_rank = None if low_rank_u is None else (low_rank_u, low_rank_b)
     inputs = HeadInputs(hidden, weight, bias)
     call = _forward_call(opts, inputs, pending.labels, needs, class_weight=cw, low_rank=low_rank)
     head, budget_all = None, None
-    if pending.started is not None:  # queued now, computed while the host waits for the check below
+    if expects_skip(pending, opts.tuning):  # queued now, computed while the host waits for the check
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
-    head_start.remember(_shape_key(call), checked.kept_rows is not None)
     call = _checked_call(call, checked, head, budget_all)
     with torch.autocast(hidden.device.type, enabled=False):
         res = run_chunks(call)
@@ -253,7 +258,7 @@ def flce_backward(
     call = ChunkCall(
         backend=row_backend(opts.backend, hidden.device),
         inputs=HeadInputs(hidden, weight, bias),
-        labels=in_range_while_captured(labels.long().contiguous(), weight.shape[0], opts.ignore_index),
+        labels=in_range_unless_read(labels.long().contiguous(), weight.shape[0], opts.ignore_index),
         opts=opts,
         budget_bytes=0,
         coef_ce=coef_ce,

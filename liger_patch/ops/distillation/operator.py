@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import budget, head_start, kept_rows
+from liger_patch.ops.core import budget, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
@@ -38,6 +38,7 @@ from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.kept_rows import (
     NumItems,
     begin_label_check,
+    expects_skip,
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows
@@ -71,21 +72,26 @@ def _start_head(
     keep: Tensor,
     want_grad: bool,
     budget_bytes: int,
-    shape_key: tuple,
 ) -> HeadStart | None:
-    """The teacher's first logits chunk begun before the label check is waited for (Triton
-    backend, GEMMs in the inputs' dtypes): over the kept rows where the last call of this shape
-    skipped some (``head_start.expects_skip``), else over every row."""
+    """The teacher's first logits chunk over the kept rows, begun while the host waits for the
+    label check to skip the ignored ones (Triton backend, GEMMs in the inputs' dtypes)."""
     if backend.name == "torch" or any(gemm_dtype_for(h.hidden) != h.hidden.dtype for h in (student, teacher)):
         return None
     from liger_patch.ops.distillation.triton_chunk import start_head
 
-    gathered = keep if head_start.expects_skip(shape_key) else None
     with torch.autocast(student.hidden.device.type, enabled=False):
         return start_head(
             backend, Side.of(student), Side.of(teacher), opts,
-            want_grad=want_grad, budget_bytes=budget_bytes, keep=gathered,
+            want_grad=want_grad, budget_bytes=budget_bytes, keep=keep,
         )  # fmt: skip
+
+
+def _gemm_gflop(student: Head, teacher: Head, needs: list[bool], precompute: bool) -> float:
+    """The forward's GEMM work over every row, in GFLOP: both heads' logits, and the student's
+    gradients when computed here."""
+    n_rows = student.hidden.shape[0]
+    gemms = [teacher, student] + [student] * sum(precompute and need for need in needs[:2])
+    return sum(2 * n_rows * h.weight.shape[0] * h.weight.shape[1] for h in gemms) / 1e9
 
 
 def chunk_math(backend: Backend, head: HeadStart | None = None, *, with_ignored: bool = False) -> ChunkMath:
@@ -119,20 +125,20 @@ def fused_distill(
     check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
     backend = pick(opts.backend, student_hidden.device)
     vocab = student_weight.shape[0]
-    pending = begin_label_check(
-        labels, vocab, opts.ignore_index, opts.reduction, None, NumItems(num_items, num_items_value)
-    )
     student = Head(student_hidden, student_weight, student_bias)
     teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
     precompute = grads_in_forward(opts.reduction, student_hidden.dtype, needs)
+    pending = begin_label_check(
+        labels, vocab, opts.ignore_index, opts.reduction, None, NumItems(num_items, num_items_value),
+        ("distill", student_hidden.device, labels.shape[0], vocab),
+        _gemm_gflop(student, teacher, needs, precompute),
+    )  # fmt: skip
     n_rows = pending.labels.shape[0]
     budget_bytes = _budget(opts, student_hidden, n_rows)
-    shape_key = ("distill", student_hidden.device, n_rows, vocab)
     head = None
-    if pending.started is not None:  # queued now, computed while the host waits for the check below
-        head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes, shape_key)
+    if expects_skip(pending, opts.tuning):  # queued now, computed while the host waits for the check
+        head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes)
     checked = finish_label_check(pending, opts.tuning)
-    head_start.remember(shape_key, checked.kept_rows is not None)
     with_ignored = checked.kept_rows is None and checked.n_kept != n_rows
     with torch.autocast(student_hidden.device.type, enabled=False):
         call = DistillCall(
@@ -198,11 +204,11 @@ def fused_distill_backward(
     """The student's gradients (empty where not needed) of ``sum_i coef_i loss_i``, from
     recomputed logits; ``coef`` (N,) fp32 is 0 at ignored tokens."""
     opts = DistillOptions.from_key(options)
-    labels = kept_rows.in_range_while_captured(
+    labels = kept_rows.in_range_unless_read(
         labels.long().contiguous(), student_weight.shape[0], opts.ignore_index
     )
-    kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync, unless a CUDA graph is captured
-    with_ignored = kept is None and kept_rows.capturing(labels)
+    kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync on the CPU only
+    with_ignored = kept is None and kept_rows.walks_every_row(labels)
     with torch.autocast(student_hidden.device.type, enabled=False):
         call = DistillCall(
             Head(student_hidden, student_weight, student_bias),

@@ -1,7 +1,8 @@
 """The first token chunk's logits GEMM begun before the label check's host sync
-(``ops/core/head_start.py``): it is launched before the check's values are waited for, the chunk it
-begins is finished from the same buffers, and the op's results are bit for bit those without it,
-whether the call then walks every row (the head is used) or skips ignored ones (it is dropped).
+(``ops/core/head_start.py``), over the kept rows where the forward expects to skip the ignored
+ones: it is launched before the check's values are waited for, the chunk it begins is finished
+from the same buffers, and the op's results are bit for bit those without it, whether the call
+then skips the ignored rows (the head is used) or walks every row (it is dropped).
 On CPU the Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), in fp32 with
 16-row GEMM tiles; on CUDA in bf16 with 128-row tiles: row counts are given in tiles (``A``)."""
 
@@ -32,7 +33,11 @@ def _tuning(chunk: int, head_rows: int | None, skip_share: float = 0.05) -> Tuni
     """Chunks of ``chunk`` rows; a head start of about ``head_rows`` rows (None: off)."""
     gflop = 0.0 if head_rows is None else head_rows * ROW_FLOP / 1e9
     return Tuning(
-        chunk_rows=chunk, min_token_chunk_rows=0, skip_ignored_share=skip_share, head_start_gflop=gflop
+        chunk_rows=chunk,
+        min_token_chunk_rows=0,
+        skip_ignored_share=skip_share,
+        wait_to_skip_gflop=0.0,
+        head_start_gflop=gflop,
     )
 
 
@@ -54,9 +59,9 @@ def launches(monkeypatch):
     events = []
     real_result = validation.ValueCheck.result
 
-    def result(self):
+    def result(self, *args, **kwargs):
         events.append(("wait",))
-        return real_result(self)
+        return real_result(self, *args, **kwargs)
 
     monkeypatch.setattr(validation.ValueCheck, "result", result)
     real = gemm.chunk_logits  # every fused logits GEMM of the op: token chunks and the head start
@@ -84,9 +89,9 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_bit_equal_to_the_op_without_it(gen, device, ignore, opts, reduction):
     """Heads of one and two row tiles of three-tile chunks (the chunk finished by a second launch)
-    and of a whole chunk, against no head start: the same bits. 'first' ignores under 5 % of the
-    rows (every row walked), 'every_other' half of them (rows skipped: from the second call on,
-    the head is begun over the kept rows and used)."""
+    and of a whole chunk, against no head start: the same bits. 'none' and 'first' (under 5 %
+    of the rows ignored) walk every row: a head begun over the kept rows of a shape not seen
+    before is dropped; 'every_other' skips half of them: the head is used."""
     opts = dict(opts)
     bias = opts.pop("bias", False)
     case = _case(gen, device, 3 * A + 2, bias=bias, ignore=ignore)
@@ -98,9 +103,10 @@ def test_bit_equal_to_the_op_without_it(gen, device, ignore, opts, reduction):
 
 
 def test_launched_before_the_wait_and_finished_after(gen, device, launches):
-    case = _case(gen, device, 3 * A + 3, ignore="none")  # a shape of its own: no earlier call's record
+    case = _case(gen, device, 3 * A + 3, ignore="every_other")  # a shape of its own: no record
+    n_kept = int((case.labels != -100).sum())
     _run(case, _tuning(3 * A, A))
-    assert launches == [("gemm", A), ("wait",), ("gemm", 2 * A), ("gemm", 3)], launches
+    assert launches == [("gemm", A), ("wait",), ("gemm", n_kept - A)], launches
 
 
 def test_no_launch_before_the_wait_when_off(gen, device, launches):
@@ -109,26 +115,13 @@ def test_no_launch_before_the_wait_when_off(gen, device, launches):
     assert launches == [("wait",), ("gemm", 3 * A), ("gemm", 4)]
 
 
-def test_follows_what_the_last_call_of_the_shape_did(gen, device, launches):
-    """Half the labels ignored. First call: begun over every row (no record yet), then dropped
-    when the call skips rows. Second: begun over the first kept rows, gathered, and used. Then
-    a call of the shape walking every row: begun over the kept rows, dropped; and the next
-    begins over every row again."""
+def test_begun_where_the_last_read_check_of_the_shape_says_skip(gen, device, launches):
+    """A shape not seen before counts as all ignored: begun over the kept rows, dropped when the
+    call walks every row after all. The shape's next call (none ignored last time) begins
+    nothing; with half the labels ignored it skips them, and the call after that begins its
+    head over the kept rows and uses it."""
     n = 3 * A + 5
-    skipping = _case(gen, device, n, ignore="every_other")
-    n_kept = int((skipping.labels != -100).sum())
-    for _ in range(2):
-        _run(skipping, _tuning(3 * A, A))
-    assert launches == [
-        ("gemm", A),
-        ("wait",),
-        ("gemm", n_kept),
-        ("gemm", A),
-        ("wait",),
-        ("gemm", n_kept - A),
-    ]
-    launches.clear()
-    walking = dataclasses.replace(skipping, labels=torch.randint(0, V, (n,), generator=gen).to(device))
+    walking = _case(gen, device, n, ignore="none")
     for _ in range(2):
         _run(walking, _tuning(3 * A, A))
     assert launches == [
@@ -136,11 +129,18 @@ def test_follows_what_the_last_call_of_the_shape_did(gen, device, launches):
         ("wait",),
         ("gemm", 3 * A),
         ("gemm", 5),
-        ("gemm", A),
         ("wait",),
-        ("gemm", 2 * A),
+        ("gemm", 3 * A),
         ("gemm", 5),
     ]
+    launches.clear()
+    labels = torch.randint(0, V, (n,), generator=gen)
+    labels[::2] = -100
+    skipping = dataclasses.replace(walking, labels=labels.to(device))
+    n_kept = int((labels != -100).sum())
+    for _ in range(2):
+        _run(skipping, _tuning(3 * A, A))
+    assert launches == [("wait",), ("gemm", n_kept), ("gemm", A), ("wait",), ("gemm", n_kept - A)]
 
 
 def test_not_started_where_the_first_chunk_is_not_the_fused_gemms(gen, device, launches):
@@ -190,7 +190,7 @@ def test_used_when_the_kept_rows_fit_one_unrounded_chunk(gen, device, monkeypatc
     labels = torch.randint(0, V, (600,), generator=gen)
     labels[torch.randperm(600, generator=gen)[:70]] = -100  # 530 kept: skipped (over 5 %)
     case = dataclasses.replace(_case(gen, device, 600), labels=labels.to(device))
-    tuning = Tuning(head_start_gflop=64 * ROW_FLOP / 1e9, min_token_chunk_rows=0)
+    tuning = Tuning(head_start_gflop=64 * ROW_FLOP / 1e9, min_token_chunk_rows=0, wait_to_skip_gflop=0.0)
     lengths = set()
     # A chunk row's bytes (logits, partials, gathered rows) are 400 in fp32, 200 in bf16.
     for fp32_extra in range(150_000, 330_000, 12_000):

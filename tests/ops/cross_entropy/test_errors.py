@@ -3,7 +3,7 @@ names the problem. Never garbage, never a hang, and the process stays usable aft
 
 import pytest
 import torch
-from op_helpers import BACKENDS, TOL, assert_close, call_raw, make_case, reference_for
+from op_helpers import BACKENDS, TOL, assert_close, call_raw, make_case, raises_by_step, reference_for
 
 H, V = 19, 97
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -81,7 +81,7 @@ def test_label_out_of_range(gen, device, chunk_rows, backend, bad, position, ign
     h, w, y, b = _inputs(gen, device, lead=(37,))
     y = y.clamp(min=0)
     y[{"first": 0, "last": -1, "middle": 17}[position]] = bad
-    with pytest.raises(IndexError, match=r"(?i)range|out of|outside"):
+    with raises_by_step(IndexError, match=r"(?i)range|out of|outside"):
         call_raw(h, w, y, b, backend=backend, ignore_index=ignore_index, **tuned)
 
 
@@ -89,7 +89,7 @@ def test_label_out_of_range(gen, device, chunk_rows, backend, bad, position, ign
 def test_label_out_of_range_without_grad(gen, device, backend):
     h, w, y, b = _inputs(gen, device)
     y[0, 1] = V + 3
-    with torch.no_grad(), pytest.raises(IndexError, match=r"(?i)range|out of|outside"):
+    with torch.no_grad(), raises_by_step(IndexError, match=r"(?i)range|out of|outside"):
         call_raw(h, w, y, b, backend=backend, reduction="none")
 
 
@@ -99,7 +99,7 @@ def test_usable_after_an_index_error(gen, device, backend):
     h, w, y, b = _inputs(gen, device)
     bad = y.clone()
     bad[1, 2] = V
-    with pytest.raises(IndexError):
+    with raises_by_step(IndexError):
         call_raw(h, w, bad, b, backend=backend)
     case = make_case(gen, (2, 5), H, V, device=device, bias=True, requires_grad=())
     loss = call_raw(case.hidden, case.weight, case.labels, case.bias, backend=backend)
@@ -205,7 +205,7 @@ def test_num_items_in_batch_tensor_out_of_range(gen, device, backend, dtype, val
     zero gradients for inf, NaN for nan), inside the op's one host sync."""
     h, w, y, b = _inputs(gen, device)
     n = torch.tensor(value, dtype=dtype, device=device)
-    with pytest.raises(ValueError, match="num_items_in_batch must be finite and >= 0"):
+    with raises_by_step(ValueError, match="num_items_in_batch must be finite and >= 0"):
         call_raw(h, w, y, b, backend=backend, num_items_in_batch=n)
 
 

@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from op_helpers import BACKENDS
+from op_helpers import BACKENDS, raises_by_step
 
 import liger_patch as lp
 from liger_patch.ops.core import kept_rows, validation
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 N = 24
 OPTS = dict(beta=0.4, ce_weight=0.3, temperature=1.5, student_softcap=4.0)
-GATHER = Tuning(skip_ignored_share=0.0)  # gather the kept rows whenever one is ignored (the old rule)
+SHARE_RULE = Tuning(wait_to_skip_gflop=0.0)  # always read the check, skip by the share
+GATHER = Tuning(skip_ignored_share=0.0, wait_to_skip_gflop=0.0)  # gather whenever one is ignored
 
 
 @pytest.fixture
@@ -77,11 +78,14 @@ def _assert_same(actual, expected):
 @pytest.mark.parametrize(("ignored", "every_row"), [(0, True), (1, True), (6, False)])
 def test_the_skip_share_decides_as_for_cross_entropy(gen, device, backend, walks, ignored, every_row):
     """1 of 24 ignored (4 %) is under the default share of 5 %: every row is walked, the ignored
-    one giving 0, as in the cross-entropy op; 6 of 24 gather the kept rows. Results equal those of
-    gathering whenever a row is ignored (share 0) to fp32 rounding."""
+    one giving 0, as in the cross-entropy op; 6 of 24 gather the kept rows (the check always
+    read: ``wait_to_skip_gflop`` 0). Results equal those of gathering whenever a row is ignored
+    (share 0) to fp32 rounding."""
     case = _case(gen, ignored, device)
     upstream = (torch.rand((), generator=gen) + 0.5).to(device)
-    result = loss_and_grads(lp.fused_linear_distillation, case, upstream, backend=backend, **OPTS)
+    result = loss_and_grads(
+        lp.fused_linear_distillation, case, upstream, backend=backend, tuning=SHARE_RULE, **OPTS
+    )
     gathered = loss_and_grads(
         lp.fused_linear_distillation, case, upstream, backend=backend, tuning=GATHER, **OPTS
     )
@@ -133,7 +137,7 @@ def test_under_capture_a_bad_input_poisons_both_ops_alike(gen, device, backend, 
         def call():
             return lp.fused_linear_distillation(**case, **opts, **OPTS)
 
-    with pytest.raises(IndexError if bad == "label" else ValueError):
+    with raises_by_step(IndexError if bad == "label" else ValueError):
         call()
     leaves = [case[k] for k in ("student_hidden", "student_weight", "student_bias")]
     with captured():

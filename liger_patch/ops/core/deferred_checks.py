@@ -1,0 +1,88 @@
+"""Label checks that a forward did not wait for, raised before an optimizer can use their gradients.
+
+On CUDA a forward whose label check has not finished when its token pass starts does not wait
+for it (``kept_rows.finish_label_check``): the host keeps running ahead of the GPU. It walks
+every row with out-of-range labels made ``ignore_index`` and the loss and gradients multiplied by
+NaN when one was bad, and leaves the check here. The check's answer is read, and its error
+raised, at the first of:
+
+* the next call of either loss, if the answer has arrived by then (no wait);
+* the next ``step`` of any ``torch.optim.Optimizer`` (a global step pre-hook, registered with
+  the first deferred check): it waits for the answers still missing, so no optimizer ever steps
+  on a poisoned gradient without the error;
+* ``raise_pending()``, for a caller that wants the answers now.
+
+An answer that arrives good only updates what the forward learns from it (``on_read``: the share
+of ignored labels, which decides whether a later call of that shape waits to skip them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from liger_patch.ops.core.validation import ValueCheck
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity
+class _Deferred:
+    check: ValueCheck
+    on_read: Callable[[int], None]
+
+
+_PENDING: list[_Deferred] = []
+_LOCK = threading.Lock()
+_HOOK: list[object] = []  # the optimizer hook's handle, once registered
+
+
+def defer(check: ValueCheck, on_read: Callable[[int], None]) -> None:
+    """Keep ``check`` until its answer is read; ``on_read(n_kept)`` then gets its kept count."""
+    with _LOCK:
+        _PENDING.append(_Deferred(check, on_read))
+        if not _HOOK:
+            _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+def pending() -> int:
+    """How many deferred checks have not been read yet."""
+    return len(_PENDING)
+
+
+def raise_ready() -> None:
+    """Read every deferred check whose answer has arrived, without waiting for the others;
+    raise the first error found (the checks read before it are done with)."""
+    if _PENDING and not _capturing():
+        _read(lambda check: check.is_ready())
+
+
+def raise_pending() -> None:
+    """Wait for every deferred check's answer and raise the first error found."""
+    if _PENDING and not _capturing():
+        _read(lambda check: True)
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured: no event may be queried or waited for then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _read(take: Callable[[ValueCheck], bool]) -> None:
+    with _LOCK:
+        ready = [d for d in _PENDING if take(d.check)]
+        _PENDING[:] = [d for d in _PENDING if d not in ready]
+    for i, deferred in enumerate(ready):
+        try:
+            deferred.on_read(deferred.check.result(deferred=True))
+        except Exception:
+            with _LOCK:  # the others were taken out unread: put them back
+                _PENDING[:0] = ready[i + 1 :]
+            raise
+
+
+@torch.compiler.disable
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    raise_pending()

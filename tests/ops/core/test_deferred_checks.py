@@ -1,0 +1,192 @@
+"""A forward that does not wait for its label check (``kept_rows``, ``deferred_checks``): it walks
+every row with bad labels made ``ignore_index`` and its results poisoned, and the check's error
+is raised at the next call that finds it answered, at ``raise_pending``, or before any optimizer
+steps. On the CPU the answer is always on the host; here a check is made "not answered yet" by
+giving it an event that has not happened (what a CUDA event is while the GPU is behind).
+tests/ops/cross_entropy/test_host_syncs.py runs the real thing behind a busy GPU."""
+
+import math
+
+import pytest
+import torch
+
+import liger_patch as lp
+from liger_patch.ops.core import deferred_checks, kept_rows
+from liger_patch.ops.core.kept_rows import NumItems
+from liger_patch.ops.core.tuning import Tuning
+
+V, IGNORE = 50, -100
+NEVER_WAIT = Tuning(wait_to_skip_gflop=math.inf)
+
+
+class NotYet:
+    """An event the GPU has not reached: ``query`` is False until ``synchronize`` waits for it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@pytest.fixture(autouse=True)
+def _no_pending():
+    assert deferred_checks.pending() == 0
+    yield
+    assert deferred_checks.pending() == 0
+
+
+def _labels(gen, n=40, share=0.25):
+    labels = torch.randint(0, V, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < share] = IGNORE
+    labels[0] = 3
+    return labels
+
+
+def _begin(labels, key, reduction="mean", num_items=None, work_gflop=1e9):
+    """A check begun on ``labels`` (of a call of ``work_gflop`` GFLOP) whose answer has not come
+    back yet, and its event."""
+    num_items = num_items or NumItems()
+    pending = kept_rows.begin_label_check(labels, V, IGNORE, reduction, None, num_items, key, work_gflop)
+    event = NotYet()
+    started = pending.started._replace(ready=event)
+    return pending.__class__(**{**pending.__dict__, "started": started}), event
+
+
+def test_unanswered_check_walks_every_row_and_is_read_later(gen):
+    labels = _labels(gen)
+    keep = labels != IGNORE
+    pending, event = _begin(labels, ("unanswered",))
+    assert not kept_rows.reads(pending, NEVER_WAIT)
+    checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
+    assert not event.done, "the forward waited for the check"
+    assert checked.kept_rows is None and checked.n_kept is None
+    assert torch.equal(checked.labels, labels) and checked.poison.item() == 1.0
+    torch.testing.assert_close(checked.row_weight, keep.float() / keep.sum())
+    assert deferred_checks.pending() == 1
+    deferred_checks.raise_ready()  # not answered: stays
+    assert deferred_checks.pending() == 1
+    deferred_checks.raise_pending()  # waits, finds nothing wrong
+    assert event.done and deferred_checks.pending() == 0
+
+
+@pytest.mark.parametrize("position", [0, 17, 39])
+def test_bad_label_poisons_and_raises_before_the_optimizer_steps(gen, position):
+    labels = _labels(gen)
+    labels[position] = V + 4
+    pending, event = _begin(labels, ("bad",))
+    checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
+    assert checked.labels[position] == IGNORE, "a kernel would index with the bad label"
+    assert math.isnan(checked.poison.item()) and checked.row_weight.isnan().all()
+    deferred_checks.raise_ready()  # not answered yet: nothing raised
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), float("nan"))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    message = rf"label {V + 4} at flat position {position} is outside \[0, {V}\).*NaN"
+    with pytest.raises(IndexError, match=message):
+        optimizer.step()
+    assert torch.equal(param.detach(), torch.ones(3)), "the optimizer stepped on the poisoned gradient"
+    optimizer.step()  # raised once: the error does not come back
+    assert deferred_checks.pending() == 0
+
+
+def test_an_answered_check_raises_at_the_next_call(gen):
+    labels = _labels(gen)
+    labels[5] = -7
+    pending, event = _begin(labels, ("next call",))
+    kept_rows.finish_label_check(pending, NEVER_WAIT)
+    event.done = True  # the GPU got there
+    good = _labels(gen)
+    with pytest.raises(IndexError, match=r"label -7 at flat position 5"):
+        kept_rows.begin_label_check(good, V, IGNORE, "mean", None, NumItems())
+
+
+def test_bad_num_items_is_deferred_too(gen):
+    pending, _ = _begin(_labels(gen), ("num items",), num_items=NumItems(torch.tensor(-2.0)))
+    checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
+    assert math.isnan(checked.poison.item())
+    message = r"num_items_in_batch must be finite and >= 0, got -2.0 \(found after"
+    with pytest.raises(ValueError, match=message):
+        deferred_checks.raise_pending()
+
+
+def test_labels_changed_in_place_before_the_check_is_read(gen):
+    labels = _labels(gen)
+    labels[9] = V
+    pending, _ = _begin(labels, ("changed",))
+    kept_rows.finish_label_check(pending, NEVER_WAIT)
+    labels[9] = 1
+    with pytest.raises(IndexError, match=rf"label {V} is outside"):
+        deferred_checks.raise_pending()
+
+
+def test_a_large_call_waits_to_skip_at_the_share_last_seen(gen):
+    """Unknown share: counted as all ignored. Once a check of the shape has been read, its share
+    decides: 25 % ignored of 1e4 GFLOP is 2.5e3 GFLOP saved, over the default 400: it waits; a
+    call of 1e3 GFLOP (250 saved) does not wait, nor skip; nor does one whose shape had no ignored
+    label."""
+    key = ("waits",)
+    labels = torch.randint(0, V, (400,), generator=gen)
+    labels[torch.randperm(400, generator=gen)[:100]] = IGNORE
+    pending, event = _begin(labels, key, work_gflop=1e4)
+    assert kept_rows.reads(pending, Tuning())
+    checked = kept_rows.finish_label_check(pending, Tuning())
+    assert event.done and checked.n_kept == 300 and checked.kept_rows.shape == (300,)
+    pending, event = _begin(labels, key, work_gflop=1e3)
+    assert not kept_rows.reads(pending, Tuning())
+    kept_rows.finish_label_check(pending, Tuning())
+    assert not event.done
+    deferred_checks.raise_pending()
+    full = torch.randint(0, V, (400,), generator=gen)
+    pending, event = _begin(full, key, work_gflop=1e4)
+    checked = kept_rows.finish_label_check(pending, Tuning())  # last read: 25 % ignored, waits
+    assert event.done and checked.kept_rows is None
+    pending, event = _begin(full, key, work_gflop=1e9)
+    assert not kept_rows.reads(pending, Tuning())  # the last read saw none
+    kept_rows.finish_label_check(pending, Tuning())
+    deferred_checks.raise_pending()
+
+
+def test_an_answered_check_is_read_whatever_the_size(gen):
+    """The answer already on the host (always on the CPU): read, raised from at once, and the
+    ignored rows skipped by their share alone."""
+    labels = torch.randint(0, V, (400,), generator=gen)
+    labels[:100] = IGNORE
+    for work in (1.0, 1e9):
+        pending = kept_rows.begin_label_check(labels, V, IGNORE, "mean", None, NumItems(), ("cpu",), work)
+        assert kept_rows.reads(pending, NEVER_WAIT)
+        checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
+        assert checked.n_kept == 300 and checked.kept_rows.shape == (300,)
+
+
+@pytest.mark.parametrize(
+    ("share", "work", "tuning", "waits"),
+    [
+        (0.25, 1e4, Tuning(), True),
+        (0.25, 1.5e3, Tuning(), False),
+        (0.0, 1e9, Tuning(), False),
+        (0.04, 1e9, Tuning(), False),  # under skip_ignored_share: nothing would be skipped
+        (0.5, 1.0, Tuning(wait_to_skip_gflop=0), True),
+        (1.0, 1e12, NEVER_WAIT, False),
+    ],
+)
+def test_waits_to_skip(share, work, tuning, waits):
+    assert tuning.waits_to_skip(share, work) is waits
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), True, "2"])
+def test_wait_to_skip_gflop_is_checked(bad):
+    with pytest.raises(ValueError, match="wait_to_skip_gflop"):
+        Tuning(wait_to_skip_gflop=bad)
+
+
+def test_the_cpu_op_raises_at_once(gen):
+    """On the CPU the answer is there when the token pass starts: the call itself raises."""
+    hidden, weight = torch.randn(6, 8, generator=gen), torch.randn(V, 8, generator=gen)
+    labels = torch.tensor([1, 2, V, 3, IGNORE, 4])
+    with pytest.raises(IndexError, match=rf"label {V} at flat position 2 is outside \[0, {V}\) and is not"):
+        lp.fused_linear_cross_entropy(hidden, weight, labels)
+    assert deferred_checks.pending() == 0
