@@ -12,8 +12,9 @@ raised, at the first of:
   on a poisoned gradient without the error;
 * ``raise_pending()``, for a caller that wants the answers now.
 
-An answer that arrives good only updates what the forward learns from it (``on_read``: the share
-of ignored labels, which decides whether a later call of that shape waits to skip them).
+A good answer read by ``raise_pending`` (at a point of the program, not of the GPU's progress)
+also tells the forward the share of ignored labels of its shape (``learn``), which decides
+whether a later call of that shape waits to skip them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from liger_patch.ops.core.validation import ValueCheck
 
@@ -31,7 +31,7 @@ from liger_patch.ops.core.validation import ValueCheck
 @dataclass(frozen=True, eq=False)  # compared by identity
 class _Deferred:
     check: ValueCheck
-    on_read: Callable[[int], None]
+    learn: Callable[[int], None]
 
 
 _PENDING: list[_Deferred] = []
@@ -39,11 +39,14 @@ _LOCK = threading.Lock()
 _HOOK: list[object] = []  # the optimizer hook's handle, once registered
 
 
-def defer(check: ValueCheck, on_read: Callable[[int], None]) -> None:
-    """Keep ``check`` until its answer is read; ``on_read(n_kept)`` then gets its kept count."""
+def defer(check: ValueCheck, learn: Callable[[int], None]) -> None:
+    """Keep ``check`` until its answer is read; ``learn(n_kept)`` gets its kept count when
+    ``raise_pending`` reads it."""
     with _LOCK:
-        _PENDING.append(_Deferred(check, on_read))
-        if not _HOOK:
+        _PENDING.append(_Deferred(check, learn))
+        if not _HOOK:  # imported here: torch.optim pulls in torch.distributed's FSDP and DTensor
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
             _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
@@ -56,13 +59,13 @@ def raise_ready() -> None:
     """Read every deferred check whose answer has arrived, without waiting for the others;
     raise the first error found (the checks read before it are done with)."""
     if _PENDING and not _capturing():
-        _read(lambda check: check.is_ready())
+        _read(lambda check: check.is_ready(), learn=False)
 
 
 def raise_pending() -> None:
     """Wait for every deferred check's answer and raise the first error found."""
     if _PENDING and not _capturing():
-        _read(lambda check: True)
+        _read(lambda check: True, learn=True)
 
 
 def _capturing() -> bool:
@@ -70,13 +73,15 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _read(take: Callable[[ValueCheck], bool]) -> None:
+def _read(take: Callable[[ValueCheck], bool], learn: bool) -> None:
     with _LOCK:
         ready = [d for d in _PENDING if take(d.check)]
         _PENDING[:] = [d for d in _PENDING if d not in ready]
     for i, deferred in enumerate(ready):
         try:
-            deferred.on_read(deferred.check.result(deferred=True))
+            n_kept = deferred.check.result(deferred=True)
+            if learn:
+                deferred.learn(n_kept)
         except Exception:
             with _LOCK:  # the others were taken out unread: put them back
                 _PENDING[:0] = ready[i + 1 :]

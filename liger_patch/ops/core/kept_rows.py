@@ -1,19 +1,21 @@
 """The label range check of a forward, which also gives the rows its token pass walks and their
-weights in the reduced loss; and, when the check's answer is on the host, how many labels are
-kept and, when enough are ignored (``Tuning.skips_ignored``), the index of the kept rows that
-the token pass then walks alone.
+weights in the reduced loss; and, when the forward reads the check's answer first, how many
+labels are kept and, when enough are ignored (``Tuning.skips_ignored``), the index of the kept
+rows that the token pass then walks alone.
 
-In two steps: ``begin_label_check`` queues the check's device work and the copy of its answer to
-the host; ``finish_label_check`` takes the answer if it is there. On CUDA it waits for it only
-when skipping the ignored rows pays at the share the last read check of that shape saw
-(``Tuning.waits_to_skip``, ``expects_skip``): the caller then queues the start of its first
-chunk over the kept rows (``head_start``) before, so the GPU computes while the host waits.
-Otherwise the host does not wait: every row is walked, out-of-range labels are turned into
-``ignore_index`` (kernels never index with them), the loss and every gradient are multiplied by
-a 0-d ``poison`` factor, NaN when anything was bad and 1 otherwise, and the check is left to
-``deferred_checks``, which raises its error before any optimizer steps. That is also the path
-while a CUDA graph is captured (no sync allowed), where no check is kept: a replay with a bad
-label poisons (docs/loss.md).
+In two steps: ``begin_label_check`` queues the check's device work and the copy of its answer
+to the host; ``finish_label_check`` takes the answer. It reads it first (``reads_first``) on the
+CPU, where it is already there, and on CUDA only where skipping the ignored rows pays for a wait
+at the share the last check of that shape read first saw (``Tuning.waits_to_skip``): the caller
+then queues the start of its first chunk over the kept rows (``head_start``) before the wait, so
+the GPU computes while the host waits. Otherwise the host does not wait and every row is walked,
+ignored ones weighing 0: if the answer has come, it is read (an error raised) at once; if not,
+out-of-range labels are turned into ``ignore_index`` (kernels never index with them), the loss
+and every gradient are multiplied by a 0-d ``poison`` factor, NaN when anything was bad and 1
+otherwise, and the check is left to ``deferred_checks``, which raises its error before any
+optimizer steps. Which rows are walked never depends on how far the GPU has got, so neither do
+the results' bits. While a CUDA graph is captured (no sync allowed) no check is kept: a replay
+with a bad label poisons (docs/loss.md).
 """
 
 from __future__ import annotations
@@ -130,41 +132,49 @@ def _remember_share(key: tuple, n_rows: int) -> Callable[[int], None]:
     return remember
 
 
-def expects_skip(pending: PendingLabels, tuning: Tuning) -> bool:
-    """Whether the forward expects to skip its ignored rows, at the share the last read check
-    of its shape saw: it then reads the check's answer, on CUDA waiting for it if need be, and
-    begins its first chunk over the kept rows before (``head_start``)."""
-    return pending.started is not None and tuning.waits_to_skip(pending.expected_share(), pending.work_gflop)
-
-
-def reads(pending: PendingLabels, tuning: Tuning) -> bool:
-    """Whether ``finish_label_check`` reads the check's answer now: it has come (always on the
-    CPU), or the forward expects to skip ignored rows, or ``Tuning.wait_to_skip_gflop`` is 0
-    (always read, waiting for it on CUDA, as before issue 43)."""
+def reads_first(pending: PendingLabels, tuning: Tuning) -> bool:
+    """Whether the forward reads its check's answer before its token pass, to skip the ignored
+    rows: always where the answer is already on the host when it is begun (the CPU) or with
+    ``Tuning.wait_to_skip_gflop`` 0 (as before issue 43); on CUDA otherwise only where waiting
+    for it pays (``Tuning.waits_to_skip``) at the share the last check of its shape read here
+    saw. The choice never depends on how far the GPU has got, so neither do the results."""
     started = pending.started
     if started is None:
         return False
-    return started.is_ready() or tuning.wait_to_skip_gflop == 0 or expects_skip(pending, tuning)
+    if started.ready is None or tuning.wait_to_skip_gflop == 0:
+        return True
+    return tuning.waits_to_skip(pending.expected_share(), pending.work_gflop)
+
+
+def expects_skip(pending: PendingLabels, tuning: Tuning) -> bool:
+    """Whether the forward reads its check first and expects it to say skip, from the share the
+    last check of its shape read here saw: it then begins its first chunk over the kept rows
+    before it waits (``head_start``)."""
+    share = pending.expected_share()
+    return reads_first(pending, tuning) and share > 0 and share >= tuning.skip_ignored_share
 
 
 def finish_label_check(pending: PendingLabels, tuning: Tuning) -> CheckedLabels:
-    """The check's answer and the rows to walk. Where it ``reads`` the answer: raise as
+    """The check's answer and the rows to walk. Where the forward ``reads_first``: raise as
     ``validation.check_values`` does, and walk the kept rows' index when enough labels are
-    ignored (``Tuning.skips_ignored``). Otherwise no sync: every row, the sanitized labels and
-    the poison factor (see the module doc)."""
+    ignored (``Tuning.skips_ignored``). Otherwise every row: if the answer has come, read and
+    raised from now; if not, no sync: the sanitized labels, the poison factor, the check
+    deferred (see the module doc)."""
     labels, keep, poison, kept_rows, n_kept = pending.labels, pending.keep, None, None, None
     started, n_rows = pending.started, labels.shape[0]
-    on_read = _remember_share(pending.shape_key, n_rows)
-    if reads(pending, tuning):
+    learn = _remember_share(pending.shape_key, n_rows)
+    if reads_first(pending, tuning):
         n_kept = started.result()
-        on_read(n_kept)
+        learn(n_kept)
         if tuning.skips_ignored(n_rows, n_kept):
             kept_rows = torch.nonzero_static(keep, size=n_kept).view(-1)
+    elif started is not None and started.is_ready():  # read, but not learned from: timing
+        n_kept = started.result()
     else:
         labels, poison = _sanitized(pending)
         keep = labels != pending.ignore_index
         if started is not None:
-            deferred_checks.defer(started, on_read)
+            deferred_checks.defer(started, learn)
     divisor = pending.divisor
     if divisor is None:
         divisor = loss_divisor(pending.reduction, keep, labels, pending.class_weights, None, None, n_kept)

@@ -180,7 +180,7 @@ def flce(
     inputs = HeadInputs(hidden, weight, bias)
     call = _forward_call(opts, inputs, pending.labels, needs, class_weight=cw, low_rank=low_rank)
     head, budget_all = None, None
-    if expects_skip(pending, opts.tuning):  # queued now, computed while the host waits for the check
+    if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
     call = _checked_call(call, checked, head, budget_all)

@@ -136,7 +136,7 @@ def fused_distill(
     n_rows = pending.labels.shape[0]
     budget_bytes = _budget(opts, student_hidden, n_rows)
     head = None
-    if expects_skip(pending, opts.tuning):  # queued now, computed while the host waits for the check
+    if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
         head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes)
     checked = finish_label_check(pending, opts.tuning)
     with_ignored = checked.kept_rows is None and checked.n_kept != n_rows

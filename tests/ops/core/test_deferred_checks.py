@@ -60,7 +60,7 @@ def test_unanswered_check_walks_every_row_and_is_read_later(gen):
     labels = _labels(gen)
     keep = labels != IGNORE
     pending, event = _begin(labels, ("unanswered",))
-    assert not kept_rows.reads(pending, NEVER_WAIT)
+    assert not kept_rows.reads_first(pending, NEVER_WAIT)
     checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
     assert not event.done, "the forward waited for the check"
     assert checked.kept_rows is None and checked.n_kept is None
@@ -132,11 +132,11 @@ def test_a_large_call_waits_to_skip_at_the_share_last_seen(gen):
     labels = torch.randint(0, V, (400,), generator=gen)
     labels[torch.randperm(400, generator=gen)[:100]] = IGNORE
     pending, event = _begin(labels, key, work_gflop=1e4)
-    assert kept_rows.reads(pending, Tuning())
+    assert kept_rows.reads_first(pending, Tuning())
     checked = kept_rows.finish_label_check(pending, Tuning())
     assert event.done and checked.n_kept == 300 and checked.kept_rows.shape == (300,)
     pending, event = _begin(labels, key, work_gflop=1e3)
-    assert not kept_rows.reads(pending, Tuning())
+    assert not kept_rows.reads_first(pending, Tuning())
     kept_rows.finish_label_check(pending, Tuning())
     assert not event.done
     deferred_checks.raise_pending()
@@ -145,7 +145,7 @@ def test_a_large_call_waits_to_skip_at_the_share_last_seen(gen):
     checked = kept_rows.finish_label_check(pending, Tuning())  # last read: 25 % ignored, waits
     assert event.done and checked.kept_rows is None
     pending, event = _begin(full, key, work_gflop=1e9)
-    assert not kept_rows.reads(pending, Tuning())  # the last read saw none
+    assert not kept_rows.reads_first(pending, Tuning())  # the last read saw none
     kept_rows.finish_label_check(pending, Tuning())
     deferred_checks.raise_pending()
 
@@ -157,9 +157,27 @@ def test_an_answered_check_is_read_whatever_the_size(gen):
     labels[:100] = IGNORE
     for work in (1.0, 1e9):
         pending = kept_rows.begin_label_check(labels, V, IGNORE, "mean", None, NumItems(), ("cpu",), work)
-        assert kept_rows.reads(pending, NEVER_WAIT)
+        assert kept_rows.reads_first(pending, NEVER_WAIT)
         checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
         assert checked.n_kept == 300 and checked.kept_rows.shape == (300,)
+
+
+def test_an_answer_come_in_time_is_read_but_changes_nothing(gen):
+    """On CUDA, a call that does not wait but finds its answer there reads it (an error would be
+    raised at once) and walks every row as it would have without it, unsanitized: its results
+    never depend on how far the GPU has got."""
+    labels = _labels(gen)
+    pending, event = _begin(labels, ("in time",), work_gflop=1.0)
+    event.done = True
+    checked = kept_rows.finish_label_check(pending, Tuning())
+    assert checked.n_kept == int((labels != IGNORE).sum()) and checked.kept_rows is None
+    assert checked.poison is None and checked.labels is pending.labels
+    assert deferred_checks.pending() == 0
+    labels[3] = V
+    pending, event = _begin(labels, ("in time",), work_gflop=1.0)
+    event.done = True
+    with pytest.raises(IndexError, match=rf"label {V} at flat position 3 is outside"):
+        kept_rows.finish_label_check(pending, Tuning())
 
 
 @pytest.mark.parametrize(

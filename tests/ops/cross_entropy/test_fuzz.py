@@ -48,7 +48,7 @@ import pytest
 import torch
 from hypothesis import event, given, note
 from hypothesis import strategies as st
-from op_helpers import IGNORE_PATTERNS, TOL, examples, ignore_mask
+from op_helpers import IGNORE_PATTERNS, TOL, examples, ignore_mask, raises_by_step
 
 import liger_patch as lp
 from liger_patch.ops.core.budget import PER_TOKEN_BYTES, SLACK_BYTES
@@ -931,7 +931,7 @@ def test_invalid_num_items_in_batch_raises(spec, value, shape):
     built = make_inputs(spec, gen)
     hidden, weight, bias = built.build(built.leaves)
     options = dict(spec.options, reduction="mean")
-    with pytest.raises(ValueError, match="num_items_in_batch"):
+    with raises_by_step(ValueError, match="num_items_in_batch"):
         lp.fused_linear_cross_entropy(
             hidden,
             weight,

@@ -16,7 +16,7 @@ import torch
 from op_helpers import BACKENDS, raises_by_step
 
 import liger_patch as lp
-from liger_patch.ops.core import kept_rows, validation
+from liger_patch.ops.core import deferred_checks, kept_rows, validation
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.distillation import operator
 from tests.ops.distillation.cases import FP32, loss_and_grads, make_case, on_device
@@ -45,9 +45,11 @@ def walks(monkeypatch):
 
 @contextlib.contextmanager
 def captured():
-    """``kept_rows.capturing`` answering True, and every host sync the op could make failing."""
+    """``kept_rows.capturing`` answering True, and every host sync the op could make failing
+    (label checks an earlier call left unread are read first: a capture begins after them)."""
+    deferred_checks.raise_pending()
 
-    def no_wait(self):
+    def no_wait(self, *args, **kwargs):
         raise AssertionError("the label check waited for its values while a graph is captured")
 
     def no_nonzero(*args, **kwargs):
