@@ -432,7 +432,8 @@ def test_chunks_as_budgeted(gen, monkeypatch, backend, device):
     case = make_case(gen, ignore="first", device=device)
     opts = dict(beta=0.5, backend=backend)
     read = Tuning(wait_to_skip_gflop=0.0)  # on CUDA too the check is read first: skipped at any size
-    lp.fused_linear_distillation(**case, memory_budget=budget_for(4, case, **opts), tuning=read, **opts).backward()
+    budget = budget_for(4, case, **opts)
+    lp.fused_linear_distillation(**case, memory_budget=budget, tuning=read, **opts).backward()
     assert seen == [4, 4, 4, 1]  # 13 kept tokens, in the forward (the backward only scales)
 
 
