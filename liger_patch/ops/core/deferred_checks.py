@@ -44,10 +44,11 @@ def defer(check: ValueCheck, learn: Callable[[int], None]) -> None:
     ``raise_pending`` reads it."""
     with _LOCK:
         _PENDING.append(_Deferred(check, learn))
-        if not _HOOK:  # imported here: torch.optim pulls in torch.distributed's FSDP and DTensor
+        if not _HOOK:  # made here: torch.optim and torch.compiler import FSDP, DTensor, dynamo
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            _HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+            hook = torch.compiler.disable(_before_optimizer_step)
+            _HOOK.append(register_optimizer_step_pre_hook(hook))
 
 
 def pending() -> int:
@@ -88,6 +89,5 @@ def _read(take: Callable[[ValueCheck], bool], learn: bool) -> None:
             raise
 
 
-@torch.compiler.disable
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     raise_pending()

@@ -168,8 +168,8 @@ def finish_label_check(pending: PendingLabels, tuning: Tuning) -> CheckedLabels:
         learn(n_kept)
         if tuning.skips_ignored(n_rows, n_kept):
             kept_rows = torch.nonzero_static(keep, size=n_kept).view(-1)
-    elif started is not None and started.is_ready():  # read, but not learned from: timing
-        n_kept = started.result()
+    elif started is not None and started.is_ready():  # raised from, nothing else: timing
+        started.result()
     else:
         labels, poison = _sanitized(pending)
         keep = labels != pending.ignore_index
