@@ -37,6 +37,12 @@ def _behind_busy_gpu(fn):
     return result, still_busy
 
 
+# A call that never waits for the GPU returned before the spin ended in all but a few of the
+# suite's runs on an H200 with 4 to 16 workers sharing the card; the few (torch and Triton
+# backends, no pattern in the options) are not reproduced by the same case alone, so a case
+# passes when one of three attempts returns early: a wait in the op fails all three.
+
+
 def _warm_behind_busy_gpu(fn) -> None:
     """Run ``fn`` as it runs behind a busy GPU (its label check not answered), loading its kernels."""
     _behind_busy_gpu(fn)
@@ -120,11 +126,14 @@ def test_behind_a_busy_gpu_the_host_does_not_wait_and_results_are_the_same(
         reference = _distill_step(case, backend=backend, reduction=reduction, tuning=read)
     _warm_behind_busy_gpu(step)
     _grads(leaves)
-    loss, still_busy = _behind_busy_gpu(step)
-    assert still_busy, "the call waited for the GPU"
-    assert deferred_checks.pending() == 1
-    grads = _grads(leaves)
-    deferred_checks.raise_pending()
+    for _ in range(3):  # see _returned_early
+        loss, still_busy = _behind_busy_gpu(step)
+        assert deferred_checks.pending() == 1
+        grads = _grads(leaves)
+        deferred_checks.raise_pending()
+        if still_busy:
+            break
+    assert still_busy, "the call waited for the GPU three times out of three"
     ref_loss = reference()  # the check read (waited for) and the kept rows skipped where 25 % are ignored
     assert deferred_checks.pending() == 0
     tol = TOL[torch.float32]
