@@ -126,7 +126,7 @@ def test_behind_a_busy_gpu_the_host_does_not_wait_and_results_are_the_same(
         reference = _distill_step(case, backend=backend, reduction=reduction, tuning=read)
     _warm_behind_busy_gpu(step)
     _grads(leaves)
-    for _ in range(3):  # see _returned_early
+    for _ in range(3):  # see the note above _warm_behind_busy_gpu
         loss, still_busy = _behind_busy_gpu(step)
         assert deferred_checks.pending() == 1
         grads = _grads(leaves)
