@@ -37,3 +37,17 @@ def test_smoke_writes_both_parts(host_bound, tmp_path):
 def test_an_unknown_part_is_refused(host_bound):
     with pytest.raises(SystemExit):
         host_bound.main(["--smoke", "--parts", "op,steps"])
+
+
+def test_the_plot_takes_one_line_per_model_and_share(import_script):
+    plot = import_script("plot_host_bound")
+    rows = [
+        {"part": "op", "N": 256},
+        {"part": "step", "model": "m", "tokens": 2048, "ignored": 0.25, "patched_step_ms": 9.0,
+         "unpatched_step_ms": 10.0},
+        {"part": "step", "model": "m", "tokens": 512, "ignored": 0.25, "patched_step_ms": 11.0,
+         "unpatched_step_ms": 10.0},
+        {"part": "step", "model": "m", "tokens": 512, "ignored": 0.0, "patched_step_ms": None,
+         "unpatched_step_ms": 10.0},
+    ]  # fmt: skip
+    assert plot.step_lines(rows) == {"m, 25% ignored": [(512, 1.1), (2048, 0.9)]}
