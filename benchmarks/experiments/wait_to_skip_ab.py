@@ -17,14 +17,13 @@ import argparse
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common
 from common import bench, environment, make_inputs, need_cuda, time_floor, write_json  # noqa: E402
-from host_bound import Backlog  # noqa: E402
+from host_bound import Backlog, host_time  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
 from liger_patch.ops.core import deferred_checks  # noqa: E402
@@ -41,14 +40,11 @@ SETTINGS = {
 
 
 def host_ms(step, backlog: Backlog, reps: int) -> float:
+    """Median host ms of ``step`` behind the backlog (``host_bound.host_time``); the checks it
+    deferred read after each."""
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        backlog.queue()
-        start = time.perf_counter()
-        step()
-        times.append(1e3 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
+        times.append(host_time(step, backlog, "cuda")[0])
         deferred_checks.raise_pending()
     return statistics.median(times)
 
