@@ -6,7 +6,9 @@ What every loss takes from a backend (each loss adds its own row math: the cross
 * ``scale_``: multiplies the gradients the forward precomputed by the upstream gradient, in place;
 * ``fused_logits``: a logits GEMM that also leaves log-sum-exp partials for the row kernel, or
   ``None`` (then cuBLAS computes every chunk's logits);
-* ``unavailable(device)``: why it cannot run on a device (an exception to raise), or ``None``.
+* ``unavailable(device)``: why it cannot run on a device (an exception to raise), or ``None``;
+* ``label_check``: a forward's label bookkeeping in one launch (``kept_rows.FusedCheck``), or
+  ``None`` (then ``kept_rows`` does it with PyTorch ops).
 
 The Triton record imports Triton only when it is first asked for.
 """
@@ -64,6 +66,7 @@ class Backend:
     scale_: Callable[[list[torch.Tensor], torch.Tensor], None]
     fused_logits: FusedLogits | None
     unavailable: Callable[[torch.device], Exception | None]
+    label_check: Callable[..., object] | None
 
 
 TORCH = Backend(
@@ -71,6 +74,7 @@ TORCH = Backend(
     scale_=scale_in_fp32_,
     fused_logits=None,
     unavailable=lambda device: None,
+    label_check=None,
 )
 
 
@@ -96,7 +100,7 @@ def _triton_unavailable(device: torch.device) -> Exception | None:
 @functools.cache
 def _triton() -> Backend:
     """The Triton record (imports Triton and compiles nothing yet)."""
-    from liger_patch.ops.core.triton import logits, scale
+    from liger_patch.ops.core.triton import label_check, logits, scale
 
     return Backend(
         name="triton",
@@ -105,6 +109,7 @@ def _triton() -> Backend:
             logits.supported, logits.partial_bytes_per_row, logits.logits_with_partials, logits.new_partials
         ),
         unavailable=_triton_unavailable,
+        label_check=label_check.label_check,
     )
 
 

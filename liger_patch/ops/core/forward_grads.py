@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.backends import pick
+from liger_patch.ops.core.eager_call import runs_plainly
 
 
 def grads_in_forward(reduction: str, dtype: torch.dtype, needs: list[bool] | tuple[bool, ...]) -> bool:
@@ -63,7 +64,11 @@ class ForwardGrads:
         present = [g for g in grads if g is not None]
         if present:
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=present[0].device)
-            torch.ops.liger_patch.scale_grads_(present, scale.float(), self.backend)
+            scale = scale.float()
+            if runs_plainly((*present, scale)):  # the registered op's dispatch is host time (eager_call)
+                pick(self.backend, present[0].device).scale_(present, scale)
+            else:
+                torch.ops.liger_patch.scale_grads_(present, scale, self.backend)
         return list(grads)
 
 

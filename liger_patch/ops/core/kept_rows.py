@@ -20,8 +20,10 @@ with a bad label poisons (docs/loss.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -45,14 +47,38 @@ class NumItems:
     value: float | None = None
 
 
-@dataclass(frozen=True)
-class PendingLabels:
-    """A label check begun: the labels (N,) int64, ``keep`` (N,) bool, the reduction's inputs, the
-    divisor of "mean" (``None`` when it is the kept count, read in the sync) and the check's
-    device work (``None`` while a CUDA graph is captured)."""
+class FusedCheck(Protocol):
+    """A backend's label check in one launch (``triton/label_check.py``'s ``label_check``)."""
+
+    def __call__(
+        self,
+        labels: Tensor,
+        vocab: int,
+        ignore_index: int,
+        reduction: str,
+        num_items: Tensor | None,
+        num_items_value: float | None,
+    ) -> FusedLabels: ...
+
+
+class FusedLabels(Protocol):
+    """What a ``FusedCheck`` leaves on the device (``triton/label_check.LabelCheck``)."""
 
     labels: Tensor
-    keep: Tensor
+    row_weight: Tensor
+    stats: Tensor
+    divisor: Tensor
+    poison: Tensor
+
+
+@dataclass(frozen=True)
+class PendingLabels:
+    """A label check begun: the labels (N,) int64, the reduction's inputs, the divisor of "mean"
+    (``None`` when it is the kept count, read in the sync), the check's device work (``None``
+    while a CUDA graph is captured) and, when a backend's one launch did it, what that left
+    (``fused``: the sanitized labels, the poison factor, the row weights)."""
+
+    labels: Tensor
     vocab: int
     ignore_index: int
     reduction: str
@@ -62,6 +88,13 @@ class PendingLabels:
     started: validation.ValueCheck | None
     shape_key: tuple = ()
     work_gflop: float = 0.0
+    fused: FusedLabels | None = None
+    keep_mask: Tensor | None = None
+
+    @functools.cached_property
+    def keep(self) -> Tensor:
+        """(N,) bool: the labels that are not ``ignore_index`` (made when first asked for)."""
+        return self.keep_mask if self.keep_mask is not None else self.labels != self.ignore_index
 
     def expected_share(self) -> float:
         """The share of ignored labels the last read check of this shape saw (unknown: 1)."""
@@ -75,13 +108,12 @@ class PendingLabels:
 
 @dataclass(frozen=True)
 class CheckedLabels:
-    """A label check's answer: the labels (sanitized while a graph is captured) and ``keep``, the
-    kept rows' index when the pass walks only those (``kept_rows``, else ``None``), their number
-    (``n_kept``, ``None`` while captured), the 0-d ``poison`` factor (captured only), the
-    divisor of "mean" and each row's weight in the reduced loss (poison included)."""
+    """A label check's answer: the labels (sanitized where it was not read), the kept rows' index
+    when the pass walks only those (``kept_rows``, else ``None``), their number (``n_kept``,
+    ``None`` where not read), the 0-d ``poison`` factor (where not read), the divisor of "mean"
+    and each row's weight in the reduced loss (poison included)."""
 
     labels: Tensor
-    keep: Tensor
     kept_rows: Tensor | None
     n_kept: int | None
     poison: Tensor | None
@@ -98,14 +130,20 @@ def begin_label_check(
     num_items: NumItems,
     shape_key: tuple = (),
     work_gflop: float = 0.0,
+    fused_check: FusedCheck | None = None,
 ) -> PendingLabels:
     """Queue the check of ``labels`` (N,) against ``vocab`` (and of a ``num_items`` tensor), with
     the divisor of "mean" unless it is the kept count (no launches for it: read with the check).
     First, raise a deferred check's error if its answer has come (``deferred_checks``).
     ``shape_key`` names calls alike enough to expect the same share of ignored labels;
-    ``work_gflop``: the GEMMs of the call's token pass over every row."""
+    ``work_gflop``: the GEMMs of the call's token pass over every row. ``fused_check``, the
+    backend's one-launch form of the check (``Backend.label_check``), also computes the divisor,
+    the sanitized labels, the poison factor and the row weights (without class weights)."""
     deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
+    if fused_check is not None and class_weights is None and labels.numel() > 0:
+        key = (shape_key, work_gflop)
+        return _begin_fused(fused_check, labels, vocab, ignore_index, reduction, num_items, *key)
     keep = labels != ignore_index
     divisor = None
     if not counted_divisor(reduction, class_weights, num_items.tensor, num_items.value):
@@ -115,8 +153,36 @@ def begin_label_check(
     if not capturing(labels):
         started = validation.start_value_check(labels, vocab, ignore_index, user_divisor)
     return PendingLabels(
-        labels, keep, vocab, ignore_index, reduction, class_weights, num_items, divisor, started,
-        shape_key, work_gflop,
+        labels, vocab, ignore_index, reduction, class_weights, num_items, divisor, started,
+        shape_key, work_gflop, keep_mask=keep,
+    )  # fmt: skip
+
+
+def _begin_fused(
+    fused_check: FusedCheck,
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    num_items: NumItems,
+    shape_key: tuple,
+    work_gflop: float,
+) -> PendingLabels:
+    """``begin_label_check`` by the backend's one-launch check: the divisor is its device scalar
+    unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number)."""
+    done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value)
+    divisor: Tensor | float = done.divisor
+    if reduction != "mean":
+        divisor = 1.0
+    elif num_items.value is not None:
+        divisor = num_items.value or 1.0
+    user_divisor = done.divisor if num_items.tensor is not None else None
+    started = None
+    if not capturing(labels):
+        started = validation.check_from_stats(labels, vocab, ignore_index, user_divisor, done.stats)
+    return PendingLabels(
+        labels, vocab, ignore_index, reduction, None, num_items, divisor, started, shape_key, work_gflop,
+        fused=done,
     )  # fmt: skip
 
 
@@ -160,28 +226,30 @@ def finish_label_check(pending: PendingLabels, tuning: Tuning) -> CheckedLabels:
     ignored (``Tuning.skips_ignored``). Otherwise every row: if the answer has come, read and
     raised from now; if not, no sync: the sanitized labels, the poison factor, the check
     deferred (see the module doc)."""
-    labels, keep, poison, kept_rows, n_kept = pending.labels, pending.keep, None, None, None
-    started, n_rows = pending.started, labels.shape[0]
+    labels, poison, kept_rows, n_kept = pending.labels, None, None, None
+    started, n_rows, fused = pending.started, labels.shape[0], pending.fused
     learn = _remember_share(pending.shape_key, n_rows)
     if reads_first(pending, tuning):
         n_kept = started.result()
         learn(n_kept)
         if tuning.skips_ignored(n_rows, n_kept):
-            kept_rows = torch.nonzero_static(keep, size=n_kept).view(-1)
+            kept_rows = torch.nonzero_static(pending.keep, size=n_kept).view(-1)
     elif started is not None and started.is_ready():  # raised from, nothing else: timing
         started.result()
     else:
-        labels, poison = _sanitized(pending)
-        keep = labels != pending.ignore_index
+        labels, poison = (fused.labels, fused.poison) if fused is not None else _sanitized(pending)
         if started is not None:
             deferred_checks.defer(started, learn)
+    if fused is not None:
+        return CheckedLabels(labels, kept_rows, n_kept, poison, pending.divisor, fused.row_weight)
+    keep = pending.keep if poison is None else labels != pending.ignore_index
     divisor = pending.divisor
     if divisor is None:
         divisor = loss_divisor(pending.reduction, keep, labels, pending.class_weights, None, None, n_kept)
     row_weight = row_weights(keep, pending.reduction, divisor)
     if poison is not None:
         row_weight = row_weight * poison
-    return CheckedLabels(labels, keep, kept_rows, n_kept, poison, divisor, row_weight)
+    return CheckedLabels(labels, kept_rows, n_kept, poison, divisor, row_weight)
 
 
 def _sanitized(pending: PendingLabels) -> tuple[Tensor, Tensor]:

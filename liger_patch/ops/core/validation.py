@@ -220,11 +220,19 @@ def start_value_check(
     stats = [keep.sum(), low, high]
     if divisor is not None:
         stats.append((~(torch.isfinite(divisor) & (divisor >= 0))).long())
-    stacked = torch.stack(stats)
-    if not stacked.is_cuda:
-        return ValueCheck(labels, vocab, ignore_index, divisor, stacked, None)
-    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
+    return check_from_stats(labels, vocab, ignore_index, divisor, torch.stack(stats))
+
+
+def check_from_stats(
+    labels: torch.Tensor, vocab: int, ignore_index: int, divisor: torch.Tensor | None, stats: torch.Tensor
+) -> ValueCheck:
+    """The check whose device values ``stats`` (int64: the kept count, the least and greatest
+    kept label, and 1 where ``divisor`` is bad) are computed already: their copy to the host
+    enqueued, on CUDA into pinned memory with an event to wait on."""
+    if not stats.is_cuda:
+        return ValueCheck(labels, vocab, ignore_index, divisor, stats, None)
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return ValueCheck(labels, vocab, ignore_index, divisor, host, ready)

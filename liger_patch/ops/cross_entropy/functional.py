@@ -2,7 +2,8 @@
 functional with prebuilt options, which the patched forward calls).
 
 They check the tensors (shapes, dtypes, devices: what a fake tensor can tell), apply autocast as
-``nn.Linear`` would, and call the registered operator ``liger_patch::flce`` (``operator.py``), which
+``nn.Linear`` would, and call the registered operator ``liger_patch::flce`` (``operator.py``; in
+a plain eager call its twin, ``operator.FLCE``), which
 runs the chunks and carries the autograd formula; ``outputs.pack`` shapes the result. Nothing here
 synchronises with the device or builds per-call state, so ``torch.compile(fullgraph=True)``
 traces a caller straight through to the operator.
@@ -17,7 +18,7 @@ import torch
 
 from liger_patch.ops.core import validation
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
-from liger_patch.ops.cross_entropy import operator, outputs  # noqa: F401  (operator: registers the ops)
+from liger_patch.ops.cross_entropy import operator, outputs
 from liger_patch.ops.cross_entropy.low_rank import check_low_rank
 from liger_patch.ops.cross_entropy.options import (
     DEFAULT_OPTIONS,
@@ -49,7 +50,8 @@ def _fused(
     u, b = _low_rank_inputs(low_rank, hidden, weight)
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, b)]
-    loss, z_loss, argmax, entropy, *_ = torch.ops.liger_patch.flce(
+    low_rank_operands = () if u is None else (u.reshape(labels.numel(), u.shape[-1]), b)
+    loss, z_loss, argmax, entropy, *_ = operator.FLCE(
         h2d,
         weight,
         bias,
@@ -58,7 +60,7 @@ def _fused(
         *validation.num_items_operands(num_items_in_batch),
         opts.key,
         needs if u is not None else needs[:3],
-        **({} if u is None else {"low_rank_u": u.reshape(labels.numel(), u.shape[-1]), "low_rank_b": b}),
+        *low_rank_operands,
     )
     return outputs.pack(opts, labels, loss, z_loss, argmax, entropy)
 

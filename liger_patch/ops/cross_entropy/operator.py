@@ -18,6 +18,9 @@
   gradients are the last two outputs.
 * A fake implementation gives every output's shape from the inputs' (symbolic) shapes, so a
   compiled caller is not specialised to the token count.
+* ``FLCE`` is what the functional calls: the registered operator, or where the call is plain
+  eager its twin, the same implementation and autograd formula as a plain
+  ``torch.autograd.Function`` (``core/eager_call.py``: the registration's dispatch is host time).
 
 Host synchronisation: none in the backward, and in the forward only to read the label range
 check when skipping the ignored rows is worth the wait (``core/kept_rows.py``); else a bad label
@@ -34,6 +37,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import budget, head_start
+from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
@@ -46,7 +50,7 @@ from liger_patch.ops.core.kept_rows import (
 from liger_patch.ops.core.reduction import reduce_rows
 from liger_patch.ops.cross_entropy import chunk_plan
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
-from liger_patch.ops.cross_entropy.backends import row_backend
+from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
 from liger_patch.ops.cross_entropy.chunks import run_chunks
 from liger_patch.ops.cross_entropy.forward_io import ForwardOutputs, low_rank_needs
@@ -74,7 +78,7 @@ def _budget_bytes(call: ChunkCall, kept: Tensor | None) -> int:
 
 
 def _forward_call(
-    opts: LossOptions, inputs: HeadInputs, labels: Tensor, needs: list[bool], **records
+    opts: LossOptions, backend: RowBackend, inputs: HeadInputs, labels: Tensor, needs: list[bool], **records
 ) -> ChunkCall:
     """The forward's chunk call before its label check is read: the gradients it computes (those
     ``needs`` asks for, when ``grads_in_forward``), the per-row outputs asked for, ``records``
@@ -85,7 +89,7 @@ def _forward_call(
         labels.shape[0], hidden.device, _wants_argmax(opts), opts.return_entropy, opts.use_token_scaling
     )
     return ChunkCall(
-        backend=row_backend(opts.backend, hidden.device),
+        backend=backend,
         inputs=inputs,
         labels=labels,
         opts=opts,
@@ -152,8 +156,7 @@ def _forward_outputs(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) 
     )
 
 
-@torch.library.custom_op("liger_patch::flce", mutates_args=())
-def flce(
+def _flce(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -171,14 +174,15 @@ def flce(
     gradients."""
     opts = LossOptions.from_key(options)
     cw = ClassWeight.of(class_weight)
+    backend = row_backend(opts.backend, hidden.device)
     pending = begin_label_check(
         labels, weight.shape[0], opts.ignore_index, opts.reduction, None if cw is None else cw.weight,
         NumItems(num_items, num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
-        _gemm_gflop(hidden, weight, opts.reduction, needs),
+        _gemm_gflop(hidden, weight, opts.reduction, needs), backend.label_check,
     )  # fmt: skip
     low_rank = None if low_rank_u is None else (low_rank_u, low_rank_b)
     inputs = HeadInputs(hidden, weight, bias)
-    call = _forward_call(opts, inputs, pending.labels, needs, class_weight=cw, low_rank=low_rank)
+    call = _forward_call(opts, backend, inputs, pending.labels, needs, class_weight=cw, low_rank=low_rank)
     head, budget_all = None, None
     if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
         head, budget_all = _begin_head(call, pending.keep)
@@ -187,6 +191,9 @@ def flce(
     with torch.autocast(hidden.device.type, enabled=False):
         res = run_chunks(call)
     return tuple(_forward_outputs(call, res, checked))
+
+
+flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())
 
 
 @flce.register_fake
@@ -310,3 +317,6 @@ def _flce_backward_fake(
 
 
 flce.register_autograd(backward, setup_context=setup_context)
+FLCE = EagerOp(torch.ops.liger_patch.flce, _flce, setup_context, backward)
+"""``liger_patch::flce``, or its eager twin where the call is plain eager (``core/eager_call.py``);
+every argument positional."""

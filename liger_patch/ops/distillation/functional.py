@@ -17,7 +17,7 @@ from torch import Tensor
 from liger_patch.ops.core import validation
 from liger_patch.ops.core.options import constant_changes, keyword_parameters
 from liger_patch.ops.core.tuning import DEFAULT_TUNING, Tuning
-from liger_patch.ops.distillation import operator  # noqa: F401  (registers the operators)
+from liger_patch.ops.distillation import operator
 from liger_patch.ops.distillation.options import (
     DISTILL_OPTION_NAMES,
     DistillOptions,
@@ -94,7 +94,7 @@ def _distill(
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (sh, sw, sb)]
     operands = flat_operands((sh, sw, sb), (th, tw, tb), labels, num_items_in_batch)
-    loss, *_ = torch.ops.liger_patch.fused_distill(*operands, opts.key, needs)
+    loss, *_ = operator.FUSED_DISTILL(*operands, opts.key, needs)
     return loss.reshape(labels.shape) if opts.reduction == "none" else loss
 
 

@@ -16,13 +16,16 @@ cross-entropy operator's pattern.
   AOTAutograd saves them itself and refuses inference tensors there: a compiled call that
   recomputes (reduction "none", an fp16 student) needs a teacher run under ``torch.no_grad``.
 
-One host sync per forward, the cross-entropy op's label check (``core/kept_rows.py``): it also
-counts the kept tokens (and gives "mean"'s divisor when it is that count), and with at least
-``Tuning.skip_ignored_share`` of them ignored the chunks gather the kept rows, else they walk every
-row (an ignored one gives 0). While the host waits for it the GPU computes the start of the
-teacher's first logits chunk (``triton_chunk.start_head``, as ``head_start`` does for the
-cross-entropy op). While a CUDA graph is captured there is none, in the forward or in the
-recomputing backward: every row is walked and a bad label makes the results NaN.
+* ``FUSED_DISTILL`` is what the functional calls: the registered operator, or where the call is
+  plain eager its twin (``core/eager_call.py``), the same implementation and formula.
+
+The label check is the cross-entropy op's (``core/kept_rows.py``): the forward waits for it only
+where skipping the ignored rows pays for the wait (then, with at least
+``Tuning.skip_ignored_share`` of them ignored, the chunks gather the kept rows, and while the host
+waits the GPU computes the start of the teacher's first logits chunk: ``triton_chunk.start_head``,
+as ``head_start`` does for the cross-entropy op); otherwise every row is walked (an ignored one
+gives 0), a bad label makes the results NaN and the check is deferred (``core/deferred_checks``),
+and while a CUDA graph is captured it is not kept at all.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.head_start import HeadStart
@@ -105,8 +109,7 @@ def chunk_math(backend: Backend, head: HeadStart | None = None, *, with_ignored:
     return triton_math(backend, head)
 
 
-@torch.library.custom_op("liger_patch::fused_distill", mutates_args=())
-def fused_distill(
+def _fused_distill(
     student_hidden: Tensor,
     student_weight: Tensor,
     student_bias: Tensor | None,
@@ -131,7 +134,7 @@ def fused_distill(
     pending = begin_label_check(
         labels, vocab, opts.ignore_index, opts.reduction, None, NumItems(num_items, num_items_value),
         ("distill", student_hidden.device, labels.shape[0], vocab),
-        _gemm_gflop(student, teacher, needs, precompute),
+        _gemm_gflop(student, teacher, needs, precompute), backend.label_check,
     )  # fmt: skip
     n_rows = pending.labels.shape[0]
     budget_bytes = _budget(opts, student_hidden, n_rows)
@@ -158,6 +161,9 @@ def fused_distill(
         loss = loss * checked.poison
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
     return (loss, checked.row_weight, *(g if g is not None else _empty(student_hidden) for g in grads))
+
+
+fused_distill = torch.library.custom_op("liger_patch::fused_distill", _fused_distill, mutates_args=())
 
 
 @fused_distill.register_fake
@@ -300,3 +306,6 @@ _NO_INPUT_GRADS = (None,) * 8
 
 
 fused_distill.register_autograd(_backward, setup_context=_setup_context)
+FUSED_DISTILL = EagerOp(torch.ops.liger_patch.fused_distill, _fused_distill, _setup_context, _backward)
+"""``liger_patch::fused_distill``, or its eager twin where the call is plain eager
+(``core/eager_call.py``); every argument positional."""

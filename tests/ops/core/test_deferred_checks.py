@@ -19,6 +19,15 @@ V, IGNORE = 50, -100
 NEVER_WAIT = Tuning(wait_to_skip_gflop=math.inf)
 
 
+@pytest.fixture(params=["torch-ops", "one-launch"])
+def fused(request):
+    """How the check is begun: with PyTorch ops, or the Triton backend's one launch
+    (``triton/label_check.py``, under the interpreter here)."""
+    if request.param == "torch-ops":
+        return None
+    return pytest.importorskip("liger_patch.ops.core.triton.label_check").label_check
+
+
 class NotYet:
     """An event the GPU has not reached: ``query`` is False until ``synchronize`` waits for it."""
 
@@ -46,20 +55,22 @@ def _labels(gen, n=40, share=0.25):
     return labels
 
 
-def _begin(labels, key, reduction="mean", num_items=None, work_gflop=1e9):
-    """A check begun on ``labels`` (of a call of ``work_gflop`` GFLOP) whose answer has not come
-    back yet, and its event."""
+def _begin(labels, key, fused, reduction="mean", num_items=None, work_gflop=1e9):
+    """A check begun on ``labels`` (of a call of ``work_gflop`` GFLOP, ``fused`` as the fixture
+    says) whose answer has not come back yet, and its event."""
     num_items = num_items or NumItems()
-    pending = kept_rows.begin_label_check(labels, V, IGNORE, reduction, None, num_items, key, work_gflop)
+    pending = kept_rows.begin_label_check(
+        labels, V, IGNORE, reduction, None, num_items, key, work_gflop, fused
+    )
     event = NotYet()
     started = pending.started._replace(ready=event)
     return pending.__class__(**{**pending.__dict__, "started": started}), event
 
 
-def test_unanswered_check_walks_every_row_and_is_read_later(gen):
+def test_unanswered_check_walks_every_row_and_is_read_later(gen, fused):
     labels = _labels(gen)
     keep = labels != IGNORE
-    pending, event = _begin(labels, ("unanswered",))
+    pending, event = _begin(labels, ("unanswered",), fused)
     assert not kept_rows.reads_first(pending, NEVER_WAIT)
     checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
     assert not event.done, "the forward waited for the check"
@@ -74,10 +85,10 @@ def test_unanswered_check_walks_every_row_and_is_read_later(gen):
 
 
 @pytest.mark.parametrize("position", [0, 17, 39])
-def test_bad_label_poisons_and_raises_before_the_optimizer_steps(gen, position):
+def test_bad_label_poisons_and_raises_before_the_optimizer_steps(gen, position, fused):
     labels = _labels(gen)
     labels[position] = V + 4
-    pending, event = _begin(labels, ("bad",))
+    pending, event = _begin(labels, ("bad",), fused)
     checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
     assert checked.labels[position] == IGNORE, "a kernel would index with the bad label"
     assert math.isnan(checked.poison.item()) and checked.row_weight.isnan().all()
@@ -93,10 +104,10 @@ def test_bad_label_poisons_and_raises_before_the_optimizer_steps(gen, position):
     assert deferred_checks.pending() == 0
 
 
-def test_an_answered_check_raises_at_the_next_call(gen):
+def test_an_answered_check_raises_at_the_next_call(gen, fused):
     labels = _labels(gen)
     labels[5] = -7
-    pending, event = _begin(labels, ("next call",))
+    pending, event = _begin(labels, ("next call",), fused)
     kept_rows.finish_label_check(pending, NEVER_WAIT)
     event.done = True  # the GPU got there
     good = _labels(gen)
@@ -104,8 +115,8 @@ def test_an_answered_check_raises_at_the_next_call(gen):
         kept_rows.begin_label_check(good, V, IGNORE, "mean", None, NumItems())
 
 
-def test_bad_num_items_is_deferred_too(gen):
-    pending, _ = _begin(_labels(gen), ("num items",), num_items=NumItems(torch.tensor(-2.0)))
+def test_bad_num_items_is_deferred_too(gen, fused):
+    pending, _ = _begin(_labels(gen), ("num items",), fused, num_items=NumItems(torch.tensor(-2.0)))
     checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
     assert math.isnan(checked.poison.item())
     message = r"num_items_in_batch must be finite and >= 0, got -2.0 \(found after"
@@ -113,68 +124,70 @@ def test_bad_num_items_is_deferred_too(gen):
         deferred_checks.raise_pending()
 
 
-def test_labels_changed_in_place_before_the_check_is_read(gen):
+def test_labels_changed_in_place_before_the_check_is_read(gen, fused):
     labels = _labels(gen)
     labels[9] = V
-    pending, _ = _begin(labels, ("changed",))
+    pending, _ = _begin(labels, ("changed",), fused)
     kept_rows.finish_label_check(pending, NEVER_WAIT)
     labels[9] = 1
     with pytest.raises(IndexError, match=rf"label {V} is outside"):
         deferred_checks.raise_pending()
 
 
-def test_a_large_call_waits_to_skip_at_the_share_last_seen(gen):
+def test_a_large_call_waits_to_skip_at_the_share_last_seen(gen, fused):
     """Unknown share: counted as all ignored. Once a check of the shape has been read, its share
     decides: 25 % ignored of 1e4 GFLOP is 2.5e3 GFLOP saved, over the default 400: it waits; a
     call of 1e3 GFLOP (250 saved) does not wait, nor skip; nor does one whose shape had no ignored
     label."""
-    key = ("waits",)
+    key = ("waits", fused is None)  # a key of its own per parametrisation: shares are learned
     labels = torch.randint(0, V, (400,), generator=gen)
     labels[torch.randperm(400, generator=gen)[:100]] = IGNORE
-    pending, event = _begin(labels, key, work_gflop=1e4)
+    pending, event = _begin(labels, key, fused, work_gflop=1e4)
     assert kept_rows.reads_first(pending, Tuning())
     checked = kept_rows.finish_label_check(pending, Tuning())
     assert event.done and checked.n_kept == 300 and checked.kept_rows.shape == (300,)
-    pending, event = _begin(labels, key, work_gflop=1e3)
+    pending, event = _begin(labels, key, fused, work_gflop=1e3)
     assert not kept_rows.reads_first(pending, Tuning())
     kept_rows.finish_label_check(pending, Tuning())
     assert not event.done
     deferred_checks.raise_pending()
     full = torch.randint(0, V, (400,), generator=gen)
-    pending, event = _begin(full, key, work_gflop=1e4)
+    pending, event = _begin(full, key, fused, work_gflop=1e4)
     checked = kept_rows.finish_label_check(pending, Tuning())  # last read: 25 % ignored, waits
     assert event.done and checked.kept_rows is None
-    pending, event = _begin(full, key, work_gflop=1e9)
+    pending, event = _begin(full, key, fused, work_gflop=1e9)
     assert not kept_rows.reads_first(pending, Tuning())  # the last read saw none
     kept_rows.finish_label_check(pending, Tuning())
     deferred_checks.raise_pending()
 
 
-def test_an_answered_check_is_read_whatever_the_size(gen):
+def test_an_answered_check_is_read_whatever_the_size(gen, fused):
     """The answer already on the host (always on the CPU): read, raised from at once, and the
     ignored rows skipped by their share alone."""
     labels = torch.randint(0, V, (400,), generator=gen)
     labels[:100] = IGNORE
     for work in (1.0, 1e9):
-        pending = kept_rows.begin_label_check(labels, V, IGNORE, "mean", None, NumItems(), ("cpu",), work)
+        pending = kept_rows.begin_label_check(
+            labels, V, IGNORE, "mean", None, NumItems(), ("cpu",), work, fused
+        )
         assert kept_rows.reads_first(pending, NEVER_WAIT)
         checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
         assert checked.n_kept == 300 and checked.kept_rows.shape == (300,)
 
 
-def test_an_answer_come_in_time_is_read_but_changes_nothing(gen):
+def test_an_answer_come_in_time_is_read_but_changes_nothing(gen, fused):
     """On CUDA, a call that does not wait but finds its answer there reads it (an error would be
     raised at once) and walks every row as it would have without it, unsanitized: its results
     never depend on how far the GPU has got."""
     labels = _labels(gen)
-    pending, event = _begin(labels, ("in time",), work_gflop=1.0)
+    pending, event = _begin(labels, ("in time",), fused, work_gflop=1.0)
     event.done = True
     checked = kept_rows.finish_label_check(pending, Tuning())
     assert checked.n_kept is None and checked.kept_rows is None  # the divisor counted on the device
     assert checked.poison is None and checked.labels is pending.labels
     assert deferred_checks.pending() == 0
     labels[3] = V
-    pending, event = _begin(labels, ("in time",), work_gflop=1.0)
+    pending, event = _begin(labels, ("in time",), fused, work_gflop=1.0)
     event.done = True
     with pytest.raises(IndexError, match=rf"label {V} at flat position 3 is outside"):
         kept_rows.finish_label_check(pending, Tuning())

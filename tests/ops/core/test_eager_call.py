@@ -1,0 +1,114 @@
+"""The eager twins of the registered operators (``ops/core/eager_call.py``): taken exactly where a
+call is plain eager, and giving the registered operator's results bit for bit (loss, every
+output, every gradient, both backward paths)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import liger_patch as lp
+from liger_patch.ops.core.eager_call import runs_plainly
+from liger_patch.ops.cross_entropy import operator as ce_operator
+from liger_patch.ops.distillation import operator as distill_operator
+
+N, H, V = 37, 16, 50
+
+
+def _inputs(gen, device, dtype=torch.float32):
+    hidden = torch.randn(N, H, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) / 4).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[torch.rand(N, generator=gen) < 0.3] = -100
+    return hidden, weight, labels.to(device)
+
+
+def test_plain_tensors_run_plainly(gen, device):
+    hidden, weight, labels = _inputs(gen, device)
+    assert runs_plainly((hidden, weight, labels, None, "key", [True]))
+    assert runs_plainly((torch.nn.Parameter(weight.detach()),))
+
+
+def test_anything_else_takes_the_registered_operator(gen, device):
+    hidden, weight, _ = _inputs(gen, device)
+    with FakeTensorMode():
+        fake = torch.empty(3)
+        assert not runs_plainly((fake,))
+    with torch.device(device):  # a torch function mode
+        assert not runs_plainly((hidden,))
+    seen = []
+    torch.func.grad(lambda x: seen.append(runs_plainly((x,))) or x.sum())(hidden.detach())
+    assert seen == [False]
+    seen.clear()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        return x * 2 if runs_plainly((x,)) else x * 3
+
+    assert torch.equal(traced(hidden.detach()), hidden.detach() * 3)
+
+
+def _node_names(t: torch.Tensor) -> str:
+    """The names of the autograd nodes behind ``t``, joined."""
+    names, todo = [], [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None:
+            names.append(node.name())
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return " ".join(names)
+
+
+def _run(op_call, hidden, weight, labels, **options):
+    """Loss, outputs and grads of one forward + backward through ``op_call`` (the twin or the op)."""
+    real = ce_operator.FLCE
+    ce_operator.FLCE = op_call
+    try:
+        hidden.grad = weight.grad = None
+        out = lp.fused_linear_cross_entropy(hidden, weight, labels, **options)
+        loss = out if isinstance(out, torch.Tensor) else out[0]
+        (loss.sum() if loss.dim() else loss).backward()
+        return out, hidden.grad.clone(), weight.grad.clone(), _node_names(loss)
+    finally:
+        ce_operator.FLCE = real
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"reduction": "none"}, {"reduction": "sum", "z_loss_scale": 1e-3, "return_z_loss": True}],
+    ids=["mean", "none", "sum-z"],
+)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_twin_gives_the_registered_operators_bits(gen, device, backend, options):
+    hidden, weight, labels = _inputs(gen, device)
+    registered = _run(torch.ops.liger_patch.flce, hidden, weight, labels, backend=backend, **options)
+    twin = _run(ce_operator.FLCE, hidden, weight, labels, backend=backend, **options)
+    assert "eager" in twin[3] and "eager" not in registered[3], (twin[3], registered[3])
+    for a, b in zip(registered[:3], twin[:3], strict=True):
+        for x, y in zip(
+            a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True
+        ):
+            assert torch.equal(x, y)
+
+
+def test_distillation_twin_gives_the_registered_operators_bits(gen, device):
+    student_h, student_w, labels = _inputs(gen, device)
+    teacher_h, teacher_w, _ = _inputs(gen, device)
+    results = []
+    for op_call in (torch.ops.liger_patch.fused_distill, distill_operator.FUSED_DISTILL):
+        real = distill_operator.FUSED_DISTILL
+        distill_operator.FUSED_DISTILL = op_call
+        try:
+            student_h.grad = student_w.grad = None
+            loss = lp.fused_linear_distillation(
+                student_h, student_w, teacher_h.detach(), teacher_w.detach(), labels
+            )
+            loss.backward()
+            results.append(
+                (loss.grad_fn.name(), loss.detach(), student_h.grad.clone(), student_w.grad.clone())
+            )
+        finally:
+            distill_operator.FUSED_DISTILL = real
+    (registered_name, *registered), (twin_name, *twin) = results
+    assert "eager" in twin_name and "eager" not in registered_name
+    for x, y in zip(registered, twin, strict=True):
+        assert torch.equal(x, y)
