@@ -21,37 +21,61 @@ _BLOCK = 4096
 
 
 def _scale_kernel(
-    x_ptr, scale_ptr, n, BLOCK: tl.constexpr, ROUND_BF16_NEAREST: tl.constexpr, ROUND_FN: tl.constexpr
+    x_ptr,
+    y_ptr,
+    scale_ptr,
+    n_x,
+    n_y,
+    BLOCK: tl.constexpr,
+    ROUND_X: tl.constexpr,
+    ROUND_Y: tl.constexpr,
+    ROUND_FN: tl.constexpr,
 ):
+    """Scales x (its blocks first) and y (the programs after them) in one launch."""
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32) * scale
-        if ROUND_BF16_NEAREST:  # the interpreter truncates to bf16; the GPU rounds to nearest
-            x = ROUND_FN(x)
-        tl.store(x_ptr + offsets, x.to(x_ptr.dtype.element_ty), mask=mask)
+        x_blocks = tl.cdiv(n_x, BLOCK)
+        pid = tl.program_id(0)
+        # Two copies of one block's work: x and y may differ in dtype, so no pointer picks between them.
+        if pid < x_blocks:
+            offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n_x
+            x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32) * scale
+            if ROUND_X:  # the interpreter truncates to bf16; the GPU rounds to nearest
+                x = ROUND_FN(x)
+            tl.store(x_ptr + offsets, x.to(x_ptr.dtype.element_ty), mask=mask)
+        else:
+            offsets = (pid - x_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n_y
+            y = tl.load(y_ptr + offsets, mask=mask).to(tl.float32) * scale
+            if ROUND_Y:
+                y = ROUND_FN(y)
+            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
-    """Multiply each contiguous tensor in place by the 0-d ``scale`` (skipped on device when 1)."""
+    """Multiply each contiguous tensor in place by the 0-d ``scale`` (skipped on device when 1),
+    two tensors per launch (a call's grad_h and grad_W: launches are host time)."""
     interpret = env.triton_interpret()
     scale = scale.reshape(1)
+    block = 64 if interpret else _BLOCK
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError("scale_ needs contiguous tensors")
-        n = t.numel()
-        if n == 0:
-            continue
-        block = 64 if interpret else _BLOCK
-        round_nearest = interpret and t.dtype == torch.bfloat16
-        jitted(_scale_kernel)[(triton.cdiv(n, block),)](
-            t,
+    tensors = [t for t in tensors if t.numel()]
+    for x, y in zip(tensors[::2], [*tensors[1::2], None], strict=False):
+        n_y = 0 if y is None else y.numel()
+        rounds = [interpret and t is not None and t.dtype == torch.bfloat16 for t in (x, y)]
+        jitted(_scale_kernel)[(triton.cdiv(x.numel(), block) + triton.cdiv(n_y, block),)](
+            x,
+            x if y is None else y,
             scale,
-            n,
+            x.numel(),
+            n_y,
             BLOCK=block,
-            ROUND_BF16_NEAREST=round_nearest,
+            ROUND_X=rounds[0],
+            ROUND_Y=rounds[1],
             # A jitted function as a constexpr costs host time at every launch: passed only when used.
-            ROUND_FN=jitted(round_bf16_nearest) if round_nearest else None,
+            ROUND_FN=jitted(round_bf16_nearest) if any(rounds) else None,
             num_warps=8,
         )

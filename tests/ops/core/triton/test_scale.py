@@ -38,3 +38,14 @@ def test_scale_needs_contiguous(gen, device):
     x = torch.randn(4, 6, generator=gen).to(device).t()
     with pytest.raises(ValueError, match="contiguous"):
         scale_([x], torch.ones((), device=device))
+
+
+@pytest.mark.parametrize("sizes", [(65, 1), (1, 130, 7), (64, 64, 64, 3)], ids=str)
+def test_tensors_of_mixed_dtypes_scaled_two_per_launch(gen, device, sizes):
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16]
+    tensors = [torch.randn(n, generator=gen).to(dtypes[i]).to(device) for i, n in enumerate(sizes)]
+    scale = torch.tensor(-1.7311, device=device)
+    expected = [(t.float() * scale).to(t.dtype) for t in tensors]
+    scale_(tensors, scale)
+    for got, want in zip(tensors, expected, strict=True):
+        assert torch.equal(got, want)
