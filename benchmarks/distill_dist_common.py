@@ -132,24 +132,21 @@ class Verdicts:
 
 
 class OpCalls:
-    """Calls of the registered fused distillation operator, ``torch.ops.liger_patch.fused_distill``:
-    the op looks it up there at every call, so a counting stand-in put there sees each one (other
-    attributes answered as the op's packet, which torch walks for its decomposition tables)."""
+    """Calls of the fused distillation operator, ``liger_patch.ops.distillation.operator
+    .FUSED_DISTILL`` (the registered ``torch.ops.liger_patch.fused_distill`` or, in a plain eager
+    call, its eager twin): the functional looks it up there at every call, so a counting stand-in
+    put there sees each one."""
 
     def __init__(self) -> None:
-        import liger_patch  # noqa: F401  (registers the operator)
+        from liger_patch.ops.distillation import operator
 
-        self.count, packet, calls = 0, torch.ops.liger_patch.fused_distill, self
+        self.count, op, calls = 0, operator.FUSED_DISTILL, self
 
-        class Counted:
-            def __call__(self, *args, **kwargs):
-                calls.count += 1
-                return packet(*args, **kwargs)
+        def counted(*args):
+            calls.count += 1
+            return op(*args)
 
-            def __getattr__(self, name: str):
-                return getattr(packet, name)
-
-        torch.ops.liger_patch.fused_distill = Counted()
+        operator.FUSED_DISTILL = counted
 
     def take(self) -> int:
         taken, self.count = self.count, 0
@@ -266,7 +263,7 @@ class Run:
             out = run()
             v = Verdicts(dtype)
             expected_ops = judge(v, out, truth)
-            v.fact("torch.ops.liger_patch.fused_distill calls", self.ops.take(), expected_ops)
+            v.fact("fused_distill calls", self.ops.take(), expected_ops)
             record.update(checks=v.rows, passed=v.passed)
         except Exception as exc:  # noqa: BLE001 - recorded; the run goes on with the next scenario
             record.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])

@@ -38,7 +38,7 @@ rows are 16-byte aligned, as the fused logits GEMM wants), in fp32 and in bf16:
 Each compares the first step's loss, TRL's logged metrics (``entropy``; under ZeRO-3 the logged
 ``loss``, ``grad_norm``, ``entropy``), the student's gradients (relative L2 error per parameter,
 the worst reported) and the parameters after the steps (``*_3_steps``, ZeRO-3); and checks what
-ran, on every rank: the fused op (its registered operator ``torch.ops.liger_patch.fused_distill``,
+ran, on every rank: the fused op (``operator.FUSED_DISTILL``, the registered operator or its eager twin,
 its calls counted, and the hooks' calls of it), the vocabulary-parallel op, never TRL's chunked
 kernel where the patch computes the loss (and TRL's kernel where it does not).
 

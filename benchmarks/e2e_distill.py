@@ -122,17 +122,15 @@ def run_one(
 
 def _count_op_calls() -> list:
     """Calls of the registered distillation operator from now on (proof the patch computed the loss)."""
-    import torch
+    from liger_patch.ops.distillation import operator
 
-    import liger_patch  # noqa: F401  (registers the operator)
-
-    calls, operator = [], torch.ops.liger_patch.fused_distill
+    calls, op = [], operator.FUSED_DISTILL
 
     def counted(*args):
         calls.append(1)
-        return operator(*args)
+        return op(*args)
 
-    torch.ops.liger_patch.fused_distill = counted
+    operator.FUSED_DISTILL = counted
     return calls
 
 

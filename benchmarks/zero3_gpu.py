@@ -17,7 +17,7 @@ is the same) and every segment walks the same batches in the same order, so the 
 every segment computes the loss and gradient norm of the same batch with the same weights:
 each variant's are compared with the unpatched ones there. The run also checks what makes that
 comparison sound: each rank's collator saw exactly the micro-batches planned for it (their ids
-and trained-label counts, segment after segment), the fused op (``torch.ops.liger_patch.flce``,
+and trained-label counts, segment after segment), the fused op (``operator.FLCE``,
 its calls counted) ran once per micro-batch on both ranks in every patched segment, with the
 patch's ``fused_ran`` set, and never outside them.
 

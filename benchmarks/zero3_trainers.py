@@ -4,7 +4,8 @@ order; and the records that check a run walked the batches it planned and ran th
 
 Under ``SFTTrainer`` the loss never goes through the model's patched forward: TRL's fused LM head
 calls its log-prob kernel, which liger_patch's TRL integration answers with the fused op. So the
-op's calls are counted at the operator (``torch.ops.liger_patch.flce``), where both paths meet.
+op's calls are counted at ``operator.FLCE`` (the registered operator or its eager twin), where
+both paths meet.
 """
 
 from __future__ import annotations
@@ -126,28 +127,19 @@ class RecordingCollator:
 
 
 class OpCalls:
-    """Counts the calls of the fused op, ``torch.ops.liger_patch.flce``: the patched forward's
-    under ``Trainer``, TRL's fused head's (through ``liger_patch.integrations.trl``) under
-    ``SFTTrainer``. The op is looked up on ``torch.ops.liger_patch`` at every call, so a counting
-    stand-in put there sees each one; it answers every other attribute as the op's packet does
-    (torch walks the namespace's packets when it builds its decomposition tables)."""
+    """Counts the calls of the fused op, ``liger_patch.ops.cross_entropy.operator.FLCE`` (the
+    registered ``torch.ops.liger_patch.flce`` or, in a plain eager call, its eager twin): the
+    patched forward's under ``Trainer``, TRL's fused head's (through
+    ``liger_patch.integrations.trl``) under ``SFTTrainer``. The functional looks it up there at
+    every call, so a counting stand-in put there sees each one."""
 
     def __init__(self) -> None:
-        import torch
+        from liger_patch.ops.cross_entropy import operator
 
-        import liger_patch  # noqa: F401  (registers the op)
+        self.count, op = 0, operator.FLCE
 
-        self.count = 0
-        torch.ops.liger_patch.flce = _Counted(torch.ops.liger_patch.flce, self)
+        def counted(*args):
+            self.count += 1
+            return op(*args)
 
-
-class _Counted:
-    def __init__(self, packet, calls: OpCalls) -> None:
-        self._packet, self._calls = packet, calls
-
-    def __call__(self, *args, **kwargs):
-        self._calls.count += 1
-        return self._packet(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._packet, name)
+        operator.FLCE = counted

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GraniteConfig  # no
 from liger_patch import LigerPatchCallback, apply_liger_to  # noqa: E402
 from liger_patch.integrations import trl_distillation, trl_gkd  # noqa: E402
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.distillation import operator as distill_operator  # noqa: E402
 from liger_patch.ops.distillation.options import DistillOptions  # noqa: E402
 from liger_patch.patching.state import LigerBypassWarning  # noqa: E402
 
@@ -57,36 +58,37 @@ def hooks_installed():
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Calls of the registered distillation operator."""
+    """Calls of the distillation operator (``operator.FUSED_DISTILL``: the registered operator or
+    its eager twin, where every call meets)."""
     calls = []
-    operator = torch.ops.liger_patch.fused_distill
+    operator = distill_operator.FUSED_DISTILL
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return operator(*args)
 
-    monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", counted)
+    monkeypatch.setattr(distill_operator, "FUSED_DISTILL", counted)
     return calls
 
 
 def _record_op_option(monkeypatch, name: str) -> list:
-    """The option ``name`` of each call of the registered distillation operator (its options
+    """The option ``name`` of each call of the distillation operator (its options
     travel as one key, the only string argument)."""
     seen = []
-    operator = torch.ops.liger_patch.fused_distill
+    operator = distill_operator.FUSED_DISTILL
 
     def recorded(*args):
         options = DistillOptions.from_key(next(a for a in args if isinstance(a, str)))
         seen.append(getattr(options, name))
         return operator(*args)
 
-    monkeypatch.setattr(torch.ops.liger_patch, "fused_distill", recorded)
+    monkeypatch.setattr(distill_operator, "FUSED_DISTILL", recorded)
     return seen
 
 
 @pytest.fixture
 def op_logits_dtypes(monkeypatch):
-    """The ``logits_dtype`` of each call of the registered distillation operator."""
+    """The ``logits_dtype`` of each call of the distillation operator."""
     return _record_op_option(monkeypatch, "logits_dtype")
 
 

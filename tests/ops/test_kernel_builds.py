@@ -81,11 +81,23 @@ for logits_dtype, grad_dtype, *flags in json.loads(sys.argv[1]):
 from liger_patch.ops.core.triton.scale import _scale_kernel
 
 scale = triton.jit(_scale_kernel)
-for dtype in ("*fp32", "*bf16", "*fp16"):
-    src = ASTSource(fn=scale, signature={"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64",
-                                         "BLOCK": "constexpr", "ROUND_BF16_NEAREST": "constexpr",
+for dtype in ("*fp32", "*bf16", "*fp16"):  # x in each dtype, y bf16 (grad_h beside a grad_W)
+    src = ASTSource(fn=scale, signature={"x_ptr": dtype, "y_ptr": "*bf16", "scale_ptr": "*fp32",
+                                         "n_x": "i64", "n_y": "i64", "BLOCK": "constexpr",
+                                         "ROUND_X": "constexpr", "ROUND_Y": "constexpr",
                                          "ROUND_FN": "constexpr"},
-                    constexprs={(3,): 4096, (4,): False, (5,): round_fn})
+                    constexprs={(5,): 4096, (6,): False, (7,): False, (8,): round_fn})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    report.append({"cubin_bytes": len(compiled.asm["cubin"]),
+                   "stores": compiled.asm["ptx"].count("st.global")})
+from liger_patch.ops.core.triton.label_check import _label_check_kernel
+
+label_kernel = triton.jit(_label_check_kernel)
+for divisor, items in ((1, "*fp32"), (2, "*i64")):  # the kept count; a num_items_in_batch tensor
+    signature = {"labels_ptr": "*i64", "safe_ptr": "*i64", "weight_ptr": "*fp32", "stats_ptr": "*i64",
+                 "scalars_ptr": "*fp32", "items_ptr": items, "n": "i32", "vocab": "i32",
+                 "ignore_index": "i64", "fixed_divisor": "fp32", "DIVISOR": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn=label_kernel, signature=signature, constexprs={(10,): divisor, (11,): 4096})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     report.append({"cubin_bytes": len(compiled.asm["cubin"]),
                    "stores": compiled.asm["ptx"].count("st.global")})
@@ -125,8 +137,10 @@ def test_row_kernel_compiles_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    # the row kernel's variants, the scale kernel's dtypes, the logits GEMM's variants
-    names = VARIANTS + ["scale fp32", "scale bf16", "scale fp16"] + LOGITS_VARIANTS
+    # the row kernel's variants, the scale kernel's dtypes, the label check's divisors, the logits
+    # GEMM's variants
+    scales = ["scale fp32", "scale bf16", "scale fp16"]
+    names = VARIANTS + scales + ["labels count", "labels items"] + LOGITS_VARIANTS
     assert len(report) == len(names)
     for variant, built in zip(names, report, strict=True):
         assert built["cubin_bytes"] > 0, f"no cubin for {variant}"

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import liger_patch as lp
+from liger_patch.ops.cross_entropy import operator as ce_operator
 from liger_patch.patching.state import patch_state
 from tests.patching_helpers import assert_records_match, make_batch, tiny_model, tolerances, train_steps
 
@@ -27,16 +28,16 @@ TOL = tolerances(torch.float32)
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Each call of ``torch.ops.liger_patch.flce``: whether it carried a low-rank term, its rank."""
+    """Each call of the fused op (``operator.FLCE``, the registered operator or its eager twin,
+    every argument positional): whether it carried a low-rank term (the tenth), its rank."""
     calls = []
-    original = torch.ops.liger_patch.flce
+    original = ce_operator.FLCE
 
-    def counted(*args, **kwargs):
-        u = kwargs.get("low_rank_u")
-        calls.append(None if u is None else u.shape[-1])
-        return original(*args, **kwargs)
+    def counted(*args):
+        calls.append(args[9].shape[-1] if len(args) > 9 else None)
+        return original(*args)
 
-    monkeypatch.setattr(torch.ops.liger_patch, "flce", counted)
+    monkeypatch.setattr(ce_operator, "FLCE", counted)
     return calls
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import liger_patch as lp
+from liger_patch import env
 from liger_patch.ops.core import deferred_checks, kept_rows
 from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.tuning import Tuning
@@ -22,10 +23,21 @@ NEVER_WAIT = Tuning(wait_to_skip_gflop=math.inf)
 @pytest.fixture(params=["torch-ops", "one-launch"])
 def fused(request):
     """How the check is begun: with PyTorch ops, or the Triton backend's one launch
-    (``triton/label_check.py``, under the interpreter here)."""
+    (``triton/label_check.py``): under the interpreter on these CPU tensors, or on a GPU machine
+    on CUDA copies of them, its results brought back (the tests here drive the CPU's logic)."""
     if request.param == "torch-ops":
         return None
-    return pytest.importorskip("liger_patch.ops.core.triton.label_check").label_check
+    label_check = pytest.importorskip("liger_patch.ops.core.triton.label_check").label_check
+    if env.triton_interpret():
+        return label_check
+    assert torch.cuda.is_available(), "tests/conftest.py sets TRITON_INTERPRET where there is no GPU"
+
+    def on_the_gpu(labels, vocab, ignore_index, reduction, num_items, num_items_value):
+        items = None if num_items is None else num_items.cuda()
+        done = label_check(labels.cuda(), vocab, ignore_index, reduction, items, num_items_value)
+        return type(done)(*(t.cpu() for t in done))
+
+    return on_the_gpu
 
 
 class NotYet:

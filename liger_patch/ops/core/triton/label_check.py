@@ -120,7 +120,9 @@ def label_check(
     row_weight = torch.empty(n, dtype=torch.float32, device=device)
     stats = torch.empty(4, dtype=torch.int64, device=device)
     scalars = torch.empty(2, dtype=torch.float32, device=device)
-    items = num_items.reshape(1) if num_items is not None else scalars
+    items = scalars  # not read unless num_items is given
+    if num_items is not None:  # a CPU tensor too: its pageable copy is staged at once, no wait
+        items = num_items.reshape(1).to(device, non_blocking=True)
     jitted(_label_check_kernel)[(1,)](
         labels,
         safe,

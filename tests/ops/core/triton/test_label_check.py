@@ -70,6 +70,7 @@ def test_matches_the_torch_path(gen, device, n, reduction):
 )
 def test_num_items_tensor_divides(gen, device, items):
     _check(_labels(gen, device, 300), items=items.to(device))
+    _check(_labels(gen, device, 300), items=items)  # on the CPU, whatever the labels' device
 
 
 @pytest.mark.parametrize("value", [5.0, 0.0, 1e-3])
