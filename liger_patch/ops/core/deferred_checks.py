@@ -1,7 +1,8 @@
 """Label checks that a forward did not wait for, raised before an optimizer can use their gradients.
 
-On CUDA a forward whose label check has not finished when its token pass starts does not wait
-for it (``kept_rows.finish_label_check``): the host keeps running ahead of the GPU. It walks
+On CUDA a forward that does not read its label check first (``kept_rows.reads_first``: only where
+skipping the ignored rows pays for the wait) and finds its answer not yet on the host does not
+wait for it (``kept_rows.finish_label_check``): the host keeps running ahead of the GPU. It walks
 every row with out-of-range labels made ``ignore_index`` and the loss and gradients multiplied by
 NaN when one was bad, and leaves the check here. The check's answer is read, and its error
 raised, at the first of:
@@ -57,16 +58,26 @@ def pending() -> int:
 
 
 def raise_ready() -> None:
-    """Read every deferred check whose answer has arrived, without waiting for the others;
-    raise the first error found (the checks read before it are done with)."""
+    """Read the deferred checks whose answers have arrived, oldest first, up to the first that
+    has not (a later one on its stream cannot have arrived before it; one on another stream is
+    read at the next call or step), without waiting; raise the first error found (the checks
+    read before it are done with). Every call of either loss begins here: it queries one event
+    more than it reads, not one per pending check."""
     if _PENDING and not _capturing():
-        _read(lambda check: check.is_ready(), learn=False)
+        _read(_answered_prefix, learn=False)
 
 
 def raise_pending() -> None:
     """Wait for every deferred check's answer and raise the first error found."""
     if _PENDING and not _capturing():
-        _read(lambda check: True, learn=True)
+        _read(len, learn=True)
+
+
+def _answered_prefix(checks: list[_Deferred]) -> int:
+    for i, deferred in enumerate(checks):
+        if not deferred.check.is_ready():
+            return i
+    return len(checks)
 
 
 def _capturing() -> bool:
@@ -74,10 +85,12 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _read(take: Callable[[ValueCheck], bool], learn: bool) -> None:
+def _read(how_many: Callable[[list[_Deferred]], int], learn: bool) -> None:
+    """Read the oldest ``how_many(pending)`` checks (taken out first, put back if one raises)."""
     with _LOCK:
-        ready = [d for d in _PENDING if take(d.check)]
-        _PENDING[:] = [d for d in _PENDING if d not in ready]
+        n = how_many(_PENDING)
+        ready = _PENDING[:n]
+        del _PENDING[:n]
     for i, deferred in enumerate(ready):
         try:
             n_kept = deferred.check.result(deferred=True)

@@ -256,17 +256,13 @@ def _sanitized(pending: PendingLabels) -> tuple[Tensor, Tensor]:
     """The labels with every out-of-range one made ``ignore_index``, and the poison factor: NaN
     when a label or the ``num_items_in_batch`` tensor was bad, else 1 (no sync)."""
     labels, ignore_index = pending.labels, pending.ignore_index
-    bad_rows = _out_of_range(labels, pending.vocab, ignore_index)
+    bad_rows = validation.out_of_range(labels, pending.vocab, ignore_index)
     bad = bad_rows.any()
     user_divisor = pending.user_divisor
     if user_divisor is not None:
         bad = bad | ~(torch.isfinite(user_divisor) & (user_divisor >= 0))
     nan, one = (torch.full((), v, device=labels.device) for v in (float("nan"), 1.0))
     return torch.where(bad_rows, ignore_index, labels), torch.where(bad, nan, one)
-
-
-def _out_of_range(labels: Tensor, vocab: int, ignore_index: int) -> Tensor:
-    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
 
 
 def walks_every_row(labels: Tensor) -> bool:
@@ -282,7 +278,7 @@ def in_range_unless_read(labels: Tensor, vocab: int, ignore_index: int) -> Tenso
     whose forward always read it (unless captured), as they are."""
     if not walks_every_row(labels):
         return labels
-    return torch.where(_out_of_range(labels, vocab, ignore_index), ignore_index, labels)
+    return torch.where(validation.out_of_range(labels, vocab, ignore_index), ignore_index, labels)
 
 
 def kept_index(labels: Tensor, ignore_index: int) -> Tensor | None:

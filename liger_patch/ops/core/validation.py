@@ -193,7 +193,7 @@ class ValueCheck(NamedTuple):
         if low >= 0 and high < self.vocab:
             return n_kept
         labels = self.labels
-        bad_labels = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab))
+        bad_labels = out_of_range(labels, self.vocab, self.ignore_index)
         if not bool(bad_labels.any()):  # changed in place since the check
             value = low if low < 0 else high
             raise IndexError(
@@ -206,6 +206,11 @@ class ValueCheck(NamedTuple):
             f"label {value} at flat position {position} is outside [0, {self.vocab}) and is not "
             f"ignore_index={self.ignore_index}{late}"
         )
+
+
+def out_of_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """(N,) bool: the labels outside [0, ``vocab``) that are not ``ignore_index``."""
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
 
 
 def start_value_check(

@@ -127,6 +127,25 @@ def test_an_answered_check_raises_at_the_next_call(gen, fused):
         kept_rows.begin_label_check(good, V, IGNORE, "mean", None, NumItems())
 
 
+def test_answers_are_read_oldest_first_up_to_the_first_missing(gen, fused):
+    """A call reads the answered checks from the oldest on and stops at the first one that has
+    not come (a later one on its stream cannot have come before it): one query, not one per
+    pending check. The optimizer step, or ``raise_pending``, waits for the rest."""
+    first, first_event = _begin(_labels(gen), ("first",), fused)
+    kept_rows.finish_label_check(first, NEVER_WAIT)
+    labels = _labels(gen)
+    labels[2] = V
+    second, second_event = _begin(labels, ("second",), fused)
+    kept_rows.finish_label_check(second, NEVER_WAIT)
+    second_event.done = True
+    deferred_checks.raise_ready()  # the oldest has not come: neither is read
+    assert deferred_checks.pending() == 2 and not first_event.done
+    first_event.done = True
+    with pytest.raises(IndexError, match=rf"label {V} at flat position 2"):
+        deferred_checks.raise_ready()
+    assert deferred_checks.pending() == 0
+
+
 def test_bad_num_items_is_deferred_too(gen, fused):
     pending, _ = _begin(_labels(gen), ("num items",), fused, num_items=NumItems(torch.tensor(-2.0)))
     checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
