@@ -58,18 +58,18 @@ def _node_names(t: torch.Tensor) -> str:
     return " ".join(names)
 
 
-def _run(op_call, hidden, weight, labels, **options):
+def _run(monkeypatch, op_call, hidden, weight, labels, **options):
     """Loss, outputs and grads of one forward + backward through ``op_call`` (the twin or the op)."""
-    real = ce_operator.FLCE
-    ce_operator.FLCE = op_call
-    try:
-        hidden.grad = weight.grad = None
-        out = lp.fused_linear_cross_entropy(hidden, weight, labels, **options)
-        loss = out if isinstance(out, torch.Tensor) else out[0]
-        (loss.sum() if loss.dim() else loss).backward()
-        return out, hidden.grad.clone(), weight.grad.clone(), _node_names(loss)
-    finally:
-        ce_operator.FLCE = real
+    monkeypatch.setattr(ce_operator, "FLCE", op_call)
+    hidden.grad = weight.grad = None
+    out = lp.fused_linear_cross_entropy(hidden, weight, labels, **options)
+    loss = out if isinstance(out, torch.Tensor) else out[0]
+    (loss.sum() if loss.dim() else loss).backward()
+    return out, hidden.grad.clone(), weight.grad.clone(), _node_names(loss)
+
+
+def _tensors(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
 
 
 @pytest.mark.parametrize(
@@ -78,36 +78,31 @@ def _run(op_call, hidden, weight, labels, **options):
     ids=["mean", "none", "sum-z"],
 )
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_twin_gives_the_registered_operators_bits(gen, device, backend, options):
+def test_twin_gives_the_registered_operators_bits(gen, device, monkeypatch, backend, options):
     hidden, weight, labels = _inputs(gen, device)
-    registered = _run(torch.ops.liger_patch.flce, hidden, weight, labels, backend=backend, **options)
-    twin = _run(ce_operator.FLCE, hidden, weight, labels, backend=backend, **options)
+    eager_op = ce_operator.FLCE
+    registered = _run(
+        monkeypatch, torch.ops.liger_patch.flce, hidden, weight, labels, backend=backend, **options
+    )
+    twin = _run(monkeypatch, eager_op, hidden, weight, labels, backend=backend, **options)
     assert "eager" in twin[3] and "eager" not in registered[3], (twin[3], registered[3])
     for a, b in zip(registered[:3], twin[:3], strict=True):
-        for x, y in zip(
-            a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True
-        ):
+        for x, y in zip(_tensors(a), _tensors(b), strict=True):
             assert torch.equal(x, y)
 
 
-def test_distillation_twin_gives_the_registered_operators_bits(gen, device):
+def test_distillation_twin_gives_the_registered_operators_bits(gen, device, monkeypatch):
     student_h, student_w, labels = _inputs(gen, device)
     teacher_h, teacher_w, _ = _inputs(gen, device)
     results = []
     for op_call in (torch.ops.liger_patch.fused_distill, distill_operator.FUSED_DISTILL):
-        real = distill_operator.FUSED_DISTILL
-        distill_operator.FUSED_DISTILL = op_call
-        try:
-            student_h.grad = student_w.grad = None
-            loss = lp.fused_linear_distillation(
-                student_h, student_w, teacher_h.detach(), teacher_w.detach(), labels
-            )
-            loss.backward()
-            results.append(
-                (loss.grad_fn.name(), loss.detach(), student_h.grad.clone(), student_w.grad.clone())
-            )
-        finally:
-            distill_operator.FUSED_DISTILL = real
+        monkeypatch.setattr(distill_operator, "FUSED_DISTILL", op_call)
+        student_h.grad = student_w.grad = None
+        loss = lp.fused_linear_distillation(
+            student_h, student_w, teacher_h.detach(), teacher_w.detach(), labels
+        )
+        loss.backward()
+        results.append((_node_names(loss), loss.detach(), student_h.grad.clone(), student_w.grad.clone()))
     (registered_name, *registered), (twin_name, *twin) = results
     assert "eager" in twin_name and "eager" not in registered_name
     for x, y in zip(registered, twin, strict=True):
