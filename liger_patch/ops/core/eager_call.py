@@ -6,7 +6,10 @@ eager call needs none of that, and the registration's dispatch and generated aut
 cost the host a share of a small call's time (docs/perf-notes.md item 53). ``EagerOp`` runs the
 same implementation and autograd formula (the functions given to the registration) as a plain
 ``torch.autograd.Function`` wherever ``runs_plainly`` says the call is plain eager, and the
-registered operator everywhere else: the results are the same bits either way.
+registered operator everywhere else: the results are the same bits either way. An operator
+registered without an autograd formula (the backward operators, the in-place scaling of the
+gradients) runs its implementation directly, under ``torch.no_grad`` as the registration's
+outputs carry no graph either.
 """
 
 from __future__ import annotations
@@ -15,17 +18,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.overrides import has_torch_function
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def runs_plainly(args: tuple) -> bool:
     """Whether a call with ``args`` runs plain eager: not traced by ``torch.compile``, under no
     Python dispatch mode (fake tensors, ``make_fx``, functionalization), no torch function mode,
-    no ``torch.func`` transform, every tensor a plain tensor or parameter."""
-    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    no ``torch.func`` transform, every tensor (an argument, or in a list argument) a plain tensor
+    or parameter."""
+    tensors = tuple(t for a in args for t in (a if isinstance(a, list) else (a,)) if isinstance(t, Tensor))
     return (
         not torch.compiler.is_compiling()
         and all(type(t) in _PLAIN_TYPES for t in tensors)
@@ -37,12 +42,22 @@ def runs_plainly(args: tuple) -> bool:
 
 class EagerOp:
     """A registered operator and its eager twin: ``op`` (``torch.ops.<ns>.<name>``) and the
-    ``impl``, ``setup_context`` and ``backward`` it was registered with. Calling it with every
-    argument positional runs the twin where ``runs_plainly``, else ``op``."""
+    ``impl``, ``setup_context`` and ``backward`` it was registered with (none for an operator
+    without an autograd formula). Calling it with every argument positional runs the twin where
+    ``runs_plainly``, else ``op``."""
 
-    def __init__(self, op: Callable[..., Any], impl: Callable, setup_context: Callable, backward: Callable):
-        self.op = op
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        impl: Callable,
+        setup_context: Callable | None = None,
+        backward: Callable | None = None,
+    ):
+        self.op, self.impl = op, impl
+        self.twin = None if backward is None else self._autograd_twin(impl, setup_context, backward)
 
+    @staticmethod
+    def _autograd_twin(impl: Callable, setup_context: Callable, backward: Callable) -> type:
         def forward(ctx, *args):
             output = impl(*args)
             setup_context(ctx, args, output)
@@ -54,9 +69,14 @@ class EagerOp:
         # Made with type() so that the name (and its grad_fn's, "<impl>_eagerBackward") says what it is.
         name = f"{getattr(impl, '__name__', 'op').lstrip('_')}_eager"
         body = {"forward": staticmethod(forward), "backward": staticmethod(twin_backward)}
-        self.twin = type(name, (torch.autograd.Function,), body)
+        return type(name, (torch.autograd.Function,), body)
 
     def __call__(self, *args):
-        if runs_plainly(args):
+        if not runs_plainly(args):
+            return self.op(*args)
+        if self.twin is not None:
             return self.twin.apply(*args)
-        return self.op(*args)
+        if not torch.is_grad_enabled():  # a backward's call: no context to enter
+            return self.impl(*args)
+        with torch.no_grad():
+            return self.impl(*args)

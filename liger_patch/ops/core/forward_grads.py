@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.backends import pick
-from liger_patch.ops.core.eager_call import runs_plainly
+from liger_patch.ops.core.eager_call import EagerOp
 
 
 def grads_in_forward(reduction: str, dtype: torch.dtype, needs: list[bool] | tuple[bool, ...]) -> bool:
@@ -28,8 +28,7 @@ def grads_in_forward(reduction: str, dtype: torch.dtype, needs: list[bool] | tup
     return reduction != "none" and dtype != torch.float16 and any(needs)
 
 
-@torch.library.custom_op("liger_patch::scale_grads_", mutates_args=("grads",))
-def scale_grads_(grads: list[Tensor], scale: Tensor, backend: str) -> None:
+def _scale_grads(grads: list[Tensor], scale: Tensor, backend: str) -> None:
     """Multiplies the gradients the forward computed by the upstream gradient ``scale`` (0-d fp32),
     in place, with ``backend``'s ``scale_`` (the name ``backend=`` takes: fp32 product rounded
     once; Triton skips the work when it is 1)."""
@@ -37,9 +36,16 @@ def scale_grads_(grads: list[Tensor], scale: Tensor, backend: str) -> None:
         pick(backend, grads[0].device).scale_(grads, scale)
 
 
+scale_grads_ = torch.library.custom_op("liger_patch::scale_grads_", _scale_grads, mutates_args=("grads",))
+
+
 @scale_grads_.register_fake
 def _scale_grads_fake(grads, scale, backend) -> None:
     return None
+
+
+SCALE_GRADS = EagerOp(torch.ops.liger_patch.scale_grads_, _scale_grads)
+"""``liger_patch::scale_grads_``, or its implementation where the call is plain eager."""
 
 
 @dataclass
@@ -64,11 +70,7 @@ class ForwardGrads:
         present = [g for g in grads if g is not None]
         if present:
             scale = grad_loss if grad_loss is not None else torch.zeros((), device=present[0].device)
-            scale = scale.float()
-            if runs_plainly((*present, scale)):  # the registered op's dispatch is host time (eager_call)
-                pick(self.backend, present[0].device).scale_(present, scale)
-            else:
-                torch.ops.liger_patch.scale_grads_(present, scale, self.backend)
+            SCALE_GRADS(present, scale.float(), self.backend)
         return list(grads)
 
 

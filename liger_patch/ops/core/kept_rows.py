@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import deferred_checks, validation
-from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, row_weights
+from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, mean_divisor, row_weights
 from liger_patch.ops.core.tuning import Tuning
 
 
@@ -142,8 +142,10 @@ def begin_label_check(
     deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
     if fused_check is not None and class_weights is None and labels.numel() > 0:
-        key = (shape_key, work_gflop)
-        return _begin_fused(fused_check, labels, vocab, ignore_index, reduction, num_items, *key)
+        return _begin_fused(
+            fused_check, labels, vocab, ignore_index, reduction, num_items,
+            shape_key=shape_key, work_gflop=work_gflop,
+        )  # fmt: skip
     keep = labels != ignore_index
     divisor = None
     if not counted_divisor(reduction, class_weights, num_items.tensor, num_items.value):
@@ -165,17 +167,15 @@ def _begin_fused(
     ignore_index: int,
     reduction: str,
     num_items: NumItems,
+    *,
     shape_key: tuple,
     work_gflop: float,
 ) -> PendingLabels:
     """``begin_label_check`` by the backend's one-launch check: the divisor is its device scalar
     unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number)."""
     done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value)
-    divisor: Tensor | float = done.divisor
-    if reduction != "mean":
-        divisor = 1.0
-    elif num_items.value is not None:
-        divisor = num_items.value or 1.0
+    what = mean_divisor(reduction, num_items.tensor, num_items.value)
+    divisor = done.divisor if what.on_device else what.fixed
     user_divisor = done.divisor if num_items.tensor is not None else None
     started = None
     if not capturing(labels):

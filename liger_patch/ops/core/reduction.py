@@ -4,10 +4,49 @@ by). Shared by both losses' operators and their vocabulary-parallel forms."""
 
 from __future__ import annotations
 
+from enum import IntEnum
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 _F32 = torch.float32
+
+
+class DivisorKind(IntEnum):
+    """What the summed loss is divided by, class weights aside (the label-check kernel's
+    ``DIVISOR``): nothing ("sum", "none"), the kept count, the ``num_items_in_batch`` tensor, or a
+    number."""
+
+    NONE = 0
+    COUNT = 1
+    TENSOR = 2
+    FIXED = 3
+
+
+class MeanDivisor(NamedTuple):
+    """``kind`` and, where it is a number (``NONE``: 1, ``FIXED``: ``num_items_in_batch`` with 0
+    read as 1), that number ``fixed`` (1 otherwise)."""
+
+    kind: DivisorKind
+    fixed: float = 1.0
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the divisor is a device value (the kept count, a tensor), not a number."""
+        return self.kind in (DivisorKind.COUNT, DivisorKind.TENSOR)
+
+
+def mean_divisor(reduction: str, num_items: Tensor | None, num_items_value: float | None) -> MeanDivisor:
+    """The one home of what a reduction divides by, without class weights (``loss_divisor``
+    adds those): every path that makes the divisor starts here."""
+    if reduction != "mean":
+        return MeanDivisor(DivisorKind.NONE)
+    if num_items is not None:
+        return MeanDivisor(DivisorKind.TENSOR)
+    if num_items_value is not None:
+        return MeanDivisor(DivisorKind.FIXED, num_items_value or 1.0)
+    return MeanDivisor(DivisorKind.COUNT)
 
 
 def counted_divisor(
@@ -38,12 +77,11 @@ def loss_divisor(
     weighs exactly 0 (``F.cross_entropy`` gives NaN there). ``n_kept``: the number of kept
     tokens when the host already knows it (``counted_divisor``), which then is the divisor, a
     Python number (rounded to fp32 where it divides, as the count's fp32 tensor would be)."""
-    if reduction != "mean":
-        return 1.0
+    what = mean_divisor(reduction, num_items, num_items_value)
+    if not what.on_device:
+        return what.fixed
     if num_items is not None:
         den = num_items.to(device=keep.device, dtype=_F32).reshape(())
-    elif num_items_value is not None:
-        return num_items_value or 1.0
     elif n_kept is not None and class_weights is None:
         return float(n_kept or 1)
     elif class_weights is not None:

@@ -93,7 +93,9 @@ def _recomputed(ctx, saved: SavedTensors, opts: LossOptions, grad_loss, grad_z, 
     g_loss = zero if grad_loss is None else grad_loss.float()
     g_z = zero if grad_z is None else grad_z.float()
     row_coef = saved.row_weight * saved.token_scale if opts.use_token_scaling else saved.row_weight
-    grads = torch.ops.liger_patch.flce_backward(
+    from liger_patch.ops.cross_entropy.operator import FLCE_BACKWARD  # it imports this module
+
+    grads = FLCE_BACKWARD(
         saved.hidden,
         saved.weight,
         saved.bias,

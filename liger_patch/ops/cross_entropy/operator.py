@@ -242,8 +242,7 @@ def _flce_fake(
     )
 
 
-@torch.library.custom_op("liger_patch::flce_backward", mutates_args=())
-def flce_backward(
+def _flce_backward(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -291,6 +290,9 @@ def recompute_grads(call: ChunkCall) -> ChunkResult:
         return run_chunks(call)
 
 
+flce_backward = torch.library.custom_op("liger_patch::flce_backward", _flce_backward, mutates_args=())
+
+
 @flce_backward.register_fake
 def _flce_backward_fake(
     hidden,
@@ -320,3 +322,5 @@ flce.register_autograd(backward, setup_context=setup_context)
 FLCE = EagerOp(torch.ops.liger_patch.flce, _flce, setup_context, backward)
 """``liger_patch::flce``, or its eager twin where the call is plain eager (``core/eager_call.py``);
 every argument positional."""
+FLCE_BACKWARD = EagerOp(torch.ops.liger_patch.flce_backward, _flce_backward)
+"""``liger_patch::flce_backward``, or its implementation where the call is plain eager."""

@@ -194,8 +194,7 @@ def _fused_distill_fake(
     return (student_hidden.new_empty(loss_shape, dtype=_F32), student_hidden.new_empty(n, dtype=_F32), *grads)
 
 
-@torch.library.custom_op("liger_patch::fused_distill_backward", mutates_args=())
-def fused_distill_backward(
+def _fused_distill_backward(
     student_hidden: Tensor,
     student_weight: Tensor,
     student_bias: Tensor | None,
@@ -230,6 +229,11 @@ def fused_distill_backward(
         res = run_distill(call)
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
     return tuple(g if g is not None else _empty(student_hidden) for g in grads)
+
+
+fused_distill_backward = torch.library.custom_op(
+    "liger_patch::fused_distill_backward", _fused_distill_backward, mutates_args=()
+)
 
 
 @fused_distill_backward.register_fake
@@ -295,9 +299,7 @@ def _backward(ctx, grad_loss, *_no_grads):
     sh, sw, sb, labels, row_weight, *teacher = ctx.saved_tensors
     th, tw, tb = held_teacher(ctx, teacher)
     coef = torch.zeros_like(row_weight) if grad_loss is None else grad_loss.float() * row_weight
-    grads = torch.ops.liger_patch.fused_distill_backward(
-        sh, sw, sb, th, tw, tb, labels, coef, ctx.options, ctx.needs
-    )
+    grads = FUSED_DISTILL_BACKWARD(sh, sw, sb, th, tw, tb, labels, coef, ctx.options, ctx.needs)
     return (*(g if need else None for g, need in zip(grads, ctx.needs, strict=True)), *_NO_INPUT_GRADS)
 
 
@@ -309,3 +311,5 @@ fused_distill.register_autograd(_backward, setup_context=_setup_context)
 FUSED_DISTILL = EagerOp(torch.ops.liger_patch.fused_distill, _fused_distill, _setup_context, _backward)
 """``liger_patch::fused_distill``, or its eager twin where the call is plain eager
 (``core/eager_call.py``); every argument positional."""
+FUSED_DISTILL_BACKWARD = EagerOp(torch.ops.liger_patch.fused_distill_backward, _fused_distill_backward)
+"""``liger_patch::fused_distill_backward``, or its implementation where the call is plain eager."""

@@ -7,8 +7,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import liger_patch as lp
+from liger_patch.ops.core import forward_grads
 from liger_patch.ops.core.eager_call import runs_plainly
 from liger_patch.ops.cross_entropy import operator as ce_operator
+from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.distillation import operator as distill_operator
 
 N, H, V = 37, 16, 50
@@ -106,4 +108,43 @@ def test_distillation_twin_gives_the_registered_operators_bits(gen, device, monk
     (registered_name, *registered), (twin_name, *twin) = results
     assert "eager" in twin_name and "eager" not in registered_name
     for x, y in zip(registered, twin, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_list_arguments_tensors_decide_too(gen, device):
+    plain = _inputs(gen, device)[0].detach()
+    assert runs_plainly(([plain, plain], "torch"))
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    assert not runs_plainly(([plain, fake], "torch"))  # a tensor subclass, in the list only
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_operators_run_plainly_with_the_registered_bits(gen, device, backend):
+    """The operators without an autograd formula run their implementation in plain eager (under
+    no_grad, as the registration's outputs carry no graph) and give the registered one's bits."""
+    hidden, weight, labels = _inputs(gen, device)
+    key = LossOptions(reduction="none", backend=backend).key
+    lse = torch.logsumexp(hidden.detach() @ weight.detach().T, dim=-1)
+    coef = torch.rand(N, generator=gen).to(device)
+    args = (hidden, weight, None, labels, None, lse, coef, coef * 2, None, None, key, [True, True, False])
+    called = []
+    plain = ce_operator.FLCE_BACKWARD
+    original = plain.impl
+    plain.impl = lambda *a: called.append(torch.is_grad_enabled()) or original(*a)
+    try:
+        twin = plain(*args)
+    finally:
+        plain.impl = original
+    assert called == [False]
+    registered = torch.ops.liger_patch.flce_backward(*args)
+    for x, y in zip(registered, twin, strict=True):
+        assert torch.equal(x, y) and not y.requires_grad
+
+    grads = [torch.randn(5, H, generator=gen).to(device), torch.randn(V, H, generator=gen).to(device)]
+    copies = [g.clone() for g in grads]
+    scale = torch.tensor(0.37, device=device)
+    assert forward_grads.SCALE_GRADS(grads, scale, backend) is None
+    torch.ops.liger_patch.scale_grads_(copies, scale, backend)
+    for x, y in zip(grads, copies, strict=True):
         assert torch.equal(x, y)

@@ -19,12 +19,10 @@ import torch
 import triton.language as tl
 
 from liger_patch import env
+from liger_patch.ops.core.reduction import mean_divisor
 from liger_patch.ops.core.triton.common import jitted
 
-_BLOCK = 4096
-# What rows are divided by, the kernel's DIVISOR: nothing ("sum", "none"), the kept count, the
-# ``num_items_in_batch`` tensor, or a number.
-NONE, COUNT, TENSOR, FIXED = 0, 1, 2, 3
+_BLOCK = 4096  # the kernel's DIVISOR is ``reduction.DivisorKind``
 
 
 class LabelCheck(NamedTuple):
@@ -107,14 +105,7 @@ def label_check(
     """The label bookkeeping of a forward over ``labels`` (N,) int64, contiguous: reduction "mean"
     divides by ``num_items`` (a 1-element tensor) or ``num_items_value`` when given (0 read as 1),
     else by the kept count; "sum" and "none" weigh kept rows 1. One launch."""
-    if reduction != "mean":
-        mode, fixed = NONE, 1.0
-    elif num_items is not None:
-        mode, fixed = TENSOR, 1.0
-    elif num_items_value is not None:
-        mode, fixed = FIXED, num_items_value or 1.0
-    else:
-        mode, fixed = COUNT, 1.0
+    divisor = mean_divisor(reduction, num_items, num_items_value)
     n, device = labels.shape[0], labels.device
     safe = torch.empty_like(labels)
     row_weight = torch.empty(n, dtype=torch.float32, device=device)
@@ -133,8 +124,8 @@ def label_check(
         n,
         vocab,
         ignore_index,
-        fixed,
-        DIVISOR=mode,
+        divisor.fixed,
+        DIVISOR=int(divisor.kind),
         BLOCK=256 if env.triton_interpret() else _BLOCK,
         num_warps=8,
     )
