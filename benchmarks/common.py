@@ -56,6 +56,32 @@ QWEN2_5_05B = dict(  # Qwen2Config
     tie_word_embeddings=True,
 )
 
+QWEN3_1_7B = dict(  # Qwen3Config
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+
+LLAMA_3_1_8B = dict(  # LlamaConfig
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+
 QWEN2_5_7B = dict(  # Qwen2Config
     vocab_size=152064,
     hidden_size=3584,

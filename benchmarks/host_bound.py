@@ -14,13 +14,17 @@ one GPU, rows printed as JSON lines as they come:
   ``gpu_still_busy_after_*``: whether that spin was still running when the call returned in every
   repetition (for eager it must be: the measure's check; for ours it is the issue's target).
   ``*_wall_ms``: the synchronised wall time of one call. Medians over repetitions after warm-ups.
-* ``"part": "step"`` (target 3): one AdamW (fused) training step of a random-init Qwen2.5-0.5B- and
-  Llama-3.2-1B-shaped model (bf16, sdpa) on a 1 x ``tokens`` batch whose first ``ignored`` share
-  of labels is -100 (a prompt), synchronised only at the step's boundaries: unpatched, patched
-  (``apply_liger_to`` on the same instance, then ``revert_liger``) and liger-kernel's fused head
-  (null when ``liger_kernel`` is not importable), alternating segments on one model with the same
-  batch and seeds; ``loss_rel_diff``: the largest relative difference of a patched step's loss
-  from the unpatched step's of the same round (learning rate 1e-6: the bf16 weights barely move).
+* ``"part": "step"`` (target 3): one AdamW (fused) training step of a random-init Qwen2.5-0.5B-,
+  Qwen3-1.7B-, Llama-3.2-1B- and Llama-3.1-8B-shaped model (bf16, sdpa; the 8B to 4,096 tokens)
+  on a 1 x ``tokens`` batch whose first ``ignored`` share of labels is -100 (a prompt),
+  synchronised only at the step's boundaries: unpatched, patched (``apply_liger_to`` on the same
+  instance, then ``revert_liger``) and liger-kernel's fused head (null when ``liger_kernel`` is
+  not importable), in alternating segments on one model with the same batch and seeds, the order
+  reversed every other round. ``*_step_ms``: medians of every timed step; ``paired_ratio``: the
+  median over rounds of patched over unpatched (each a segment's median), which a drift of the
+  machine during the row moves less; ``loss_rel_diff``: the largest relative difference of a
+  patched step's loss from the unpatched step's of the same round (learning rate 1e-6: the bf16
+  weights barely move).
 
 With ``--out`` the rows go there as JSON (the environment's keys and ``"rows"``, a list) and as
 markdown tables beside it (``.md``), both rewritten after every row so
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -48,7 +53,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import LLAMA_3_2_1B, QWEN2_5_05B, environment, fwd_bwd, make_inputs, need_cuda, write_json
+from common import (
+    LLAMA_3_1_8B,
+    LLAMA_3_2_1B,
+    QWEN2_5_05B,
+    QWEN3_1_7B,
+    environment,
+    fwd_bwd,
+    make_inputs,
+    need_cuda,
+    write_json,
+)
 
 LOGIT_STD = 3.0  # a trained model's logits spread (docs/benchmarks.md)
 BUSY_MS = 20.0  # GPU work queued ahead of each host-timed call
@@ -75,8 +90,9 @@ class Plan:
     op_warmup: int = 3
     op_reps: int = 10
     step_warmup: int = 3
-    rounds: int = 2  # unpatched / patched segments per row
-    segment_steps: int = 4  # timed steps per segment (after one untimed): 8 per variant in all
+    rounds: int = 6  # segments per variant and row, the variants' order reversed every other round
+    segment_steps: int = 2  # timed steps per segment (after one untimed): 12 per variant in all
+    max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # a model's largest batch
 
 
 GPU_PLAN = Plan(
@@ -84,8 +100,14 @@ GPU_PLAN = Plan(
     dtype=torch.bfloat16,
     op_n=(256, 1024, 4096, 16384),
     op_heads=((896, 151936), (2048, 128256), (4096, 128256)),
-    models={"qwen2.5-0.5b": ("qwen2", QWEN2_5_05B), "llama-3.2-1b": ("llama", LLAMA_3_2_1B)},
-    tokens=(512, 2048, 8192),
+    models={
+        "qwen2.5-0.5b": ("qwen2", QWEN2_5_05B),
+        "qwen3-1.7b": ("qwen3", QWEN3_1_7B),
+        "llama-3.2-1b": ("llama", LLAMA_3_2_1B),
+        "llama-3.1-8b": ("llama", LLAMA_3_1_8B),
+    },
+    tokens=(256, 1024, 4096, 16384),
+    max_tokens={"llama-3.1-8b": 4096},  # its weights, gradients and AdamW states take 64 GB
 )
 SMOKE_PLAN = Plan(
     device="cpu",
@@ -237,10 +259,16 @@ def op_rows(plan: Plan) -> Iterator[dict]:
 def build_model(family: str, config: dict, plan: Plan) -> torch.nn.Module:
     """The random-init model in train mode, made on the device (a 1B model initialises in seconds
     there, in a minute on the CPU), sdpa attention."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        AutoModelForCausalLM,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     torch.manual_seed(0)
-    cfg = (LlamaConfig if family == "llama" else Qwen2Config)(**config)
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](**config)
     MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]  # its modules imported outside the device context (e2e.py)
     with torch.device(plan.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=plan.dtype, attn_implementation="sdpa")
@@ -338,7 +366,8 @@ def step_row(
     ignored: float, plan: Plan,
 ) -> dict:  # fmt: skip
     """One step row: every variant warmed up, then ``plan.rounds`` rounds of one segment per
-    variant (the segment's first step untimed), on one batch."""
+    variant (the segment's first step untimed), the order reversed every other round so that a
+    drift of the machine weighs on every variant alike, on one batch."""
     batch = make_batch(tokens, model.config.vocab_size, ignored, plan.device)
     opt.zero_grad(set_to_none=True)  # nothing left over from a row that failed
     kinds = variants(model, family)
@@ -346,8 +375,9 @@ def step_row(
         with enter():
             segment(model, opt, batch, plan.step_warmup, plan.device)
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
-    for _ in range(plan.rounds):
-        for kind, enter in kinds.items():
+    for round_ in range(plan.rounds):
+        order = list(kinds.items())
+        for kind, enter in order if round_ % 2 == 0 else reversed(order):
             with enter():
                 runs[kind].append(segment(model, opt, batch, plan.segment_steps + 1, plan.device))
     return summarise(name, tokens, ignored, runs)
@@ -361,6 +391,11 @@ def summarise(name: str, tokens: int, ignored: float, runs: dict[str, list[dict]
             return None
         return statistics.median(t for s in runs[kind] for t in s["ms"][1:])
 
+    def segment_median(s: dict) -> float:
+        return statistics.median(s["ms"][1:])
+
+    pairs = zip(runs["unpatched"], runs["patched"], strict=True)
+    paired = statistics.median(segment_median(p) / segment_median(u) for u, p in pairs)
     pairs = zip(runs["unpatched"], runs["patched"], strict=True)
     rel = max(abs(p - u) / abs(u) for a, b in pairs for u, p in zip(a["losses"], b["losses"], strict=True))
     fused = all(s["fused"] for s in runs["patched"]) and not any(s["fused"] for s in runs["unpatched"])
@@ -368,6 +403,7 @@ def summarise(name: str, tokens: int, ignored: float, runs: dict[str, list[dict]
         "part": "step", "model": name, "tokens": tokens, "ignored": ignored,
         "patched_step_ms": median_ms("patched"), "unpatched_step_ms": median_ms("unpatched"),
         "liger_step_ms": median_ms("liger"),
+        "paired_ratio": paired,
         "loss_rel_diff": rel,
         "fused_ran": fused,
     }  # fmt: skip
@@ -386,7 +422,7 @@ def model_rows(name: str, family: str, config: dict, plan: Plan) -> Iterator[dic
         return
     model = built.pop("value")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-    for tokens in plan.tokens:
+    for tokens in [t for t in plan.tokens if t <= plan.max_tokens.get(name, t)]:
         for ignored in plan.ignored:
             where = {"part": "step", "model": name, "tokens": tokens, "ignored": ignored}
             yield guarded(where, partial(step_row, name, family, model, opt, tokens, ignored, plan))
@@ -452,7 +488,7 @@ def op_table(rows: list[dict]) -> str:
 def step_table(rows: list[dict]) -> str:
     """Markdown: the step rows."""
     columns = ["model", "tokens", "ignored", "patched ms", "unpatched ms", "liger-kernel ms",
-               "patched / unpatched", "loss rel diff"]  # fmt: skip
+               "patched / unpatched", "paired ratio", "loss rel diff"]  # fmt: skip
 
     def keys(r: dict) -> list[str]:
         return [r["model"], str(r["tokens"]), f"{r['ignored']:.2f}"]
@@ -461,7 +497,8 @@ def step_table(rows: list[dict]) -> str:
         ratio = r["patched_step_ms"] / r["unpatched_step_ms"]
         parity = f"{r['loss_rel_diff']:.1e}" + ("" if r["parity_ok"] else " (PARITY FAILED)")
         return [f"{r['patched_step_ms']:.1f}", f"{r['unpatched_step_ms']:.1f}",
-                _num(r["liger_step_ms"], ".1f"), f"{ratio:.3f}x", parity]  # fmt: skip
+                _num(r["liger_step_ms"], ".1f"), f"{ratio:.3f}x", f"{r['paired_ratio']:.3f}x",
+                parity]  # fmt: skip
 
     return markdown_table(columns, rows, keys, values)
 

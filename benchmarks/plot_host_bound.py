@@ -12,12 +12,14 @@ import sys
 
 
 def step_lines(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """``"model, x% ignored"`` -> (tokens, patched / unpatched) points, by tokens."""
+    """``"model, x% ignored"`` -> (tokens, patched / unpatched) points, by tokens: the row's
+    ``paired_ratio`` where it has one (rounds paired in time), else the ratio of its medians."""
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if r.get("part") == "step" and r.get("patched_step_ms") and r.get("unpatched_step_ms"):
             key = f"{r['model']}, {r['ignored']:.0%} ignored"
-            lines.setdefault(key, []).append((r["tokens"], r["patched_step_ms"] / r["unpatched_step_ms"]))
+            ratio = r.get("paired_ratio") or r["patched_step_ms"] / r["unpatched_step_ms"]
+            lines.setdefault(key, []).append((r["tokens"], ratio))
     return {key: sorted(points) for key, points in lines.items()}
 
 

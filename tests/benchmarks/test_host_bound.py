@@ -30,6 +30,7 @@ def test_smoke_writes_both_parts(host_bound, tmp_path):
         assert row.keys() >= OP_FIELDS and all(row[k] > 0 for k in OP_FIELDS if k.endswith("_ms"))
     for row in steps:
         assert row.keys() >= STEP_FIELDS and row["fused_ran"] and row["parity_ok"], row
+        assert row["paired_ratio"] > 0
     table = (tmp_path / "hb.md").read_text()
     assert "ours host ms" in table and "patched / unpatched" in table
 
@@ -49,5 +50,8 @@ def test_the_plot_takes_one_line_per_model_and_share(import_script):
          "unpatched_step_ms": 10.0},
         {"part": "step", "model": "m", "tokens": 512, "ignored": 0.0, "patched_step_ms": None,
          "unpatched_step_ms": 10.0},
+        {"part": "step", "model": "n", "tokens": 256, "ignored": 0.0, "patched_step_ms": 11.0,
+         "unpatched_step_ms": 10.0, "paired_ratio": 0.95},
     ]  # fmt: skip
-    assert plot.step_lines(rows) == {"m, 25% ignored": [(512, 1.1), (2048, 0.9)]}
+    lines = {"m, 25% ignored": [(512, 1.1), (2048, 0.9)], "n, 0% ignored": [(256, 0.95)]}
+    assert plot.step_lines(rows) == lines
