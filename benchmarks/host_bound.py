@@ -23,8 +23,9 @@ one GPU, rows printed as JSON lines as they come:
   reversed every other round. ``*_step_ms``: medians of every timed step; ``paired_ratio``: the
   median over rounds of patched over unpatched (each a segment's median), which a drift of the
   machine during the row moves less; ``loss_rel_diff``: the largest relative difference of a
-  patched step's loss from the unpatched step's of the same round (learning rate 1e-6: the bf16
-  weights barely move).
+  patched step's loss from the unpatched step's of the same round (learning rate 0: the optimizer
+  does all its work and the weights do not move, so every step's loss is the same model's; with
+  1e-6 an 8B model's first steps moved its loss by over 1 %).
 
 With ``--out`` the rows go there as JSON (the environment's keys and ``"rows"``, a list) and as
 markdown tables beside it (``.md``), both rewritten after every row so
@@ -68,7 +69,7 @@ from common import (
 LOGIT_STD = 3.0  # a trained model's logits spread (docs/benchmarks.md)
 BUSY_MS = 20.0  # GPU work queued ahead of each host-timed call
 LOSS_REL_TOL = 1e-2  # bf16, patched against unpatched, relative, per step
-LR = 1e-6
+LR = 0.0  # AdamW's whole step is run, the weights stay: each step's loss is of the same model
 
 TINY_LLAMA = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
@@ -526,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON rows (the markdown tables beside it, .md)")
     parser.add_argument("--parts", default="op,step", help="comma-separated: op, step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check of the script")
+    parser.add_argument("--models", nargs="+", default=None, help="the step part's models (default: all)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := set(parts) - {"op", "step"}:
@@ -533,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not need_cuda(__file__):
         return 2
     plan = SMOKE_PLAN if args.smoke else GPU_PLAN
+    if args.models:
+        if unknown := set(args.models) - set(plan.models):
+            parser.error(f"unknown models: {sorted(unknown)}; known: {sorted(plan.models)}")
+        plan = dataclasses.replace(plan, models={name: plan.models[name] for name in args.models})
     env = {**environment("transformers"), "smoke": args.smoke}
     started = time.perf_counter()
     sources = {"op": op_rows, "step": step_rows}

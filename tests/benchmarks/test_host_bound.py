@@ -35,9 +35,11 @@ def test_smoke_writes_both_parts(host_bound, tmp_path):
     assert "ours host ms" in table and "patched / unpatched" in table
 
 
-def test_an_unknown_part_is_refused(host_bound):
+def test_an_unknown_part_or_model_is_refused(host_bound):
     with pytest.raises(SystemExit):
         host_bound.main(["--smoke", "--parts", "op,steps"])
+    with pytest.raises(SystemExit):
+        host_bound.main(["--smoke", "--models", "llama-3.1-8b"])
 
 
 def test_the_plot_takes_one_line_per_model_and_share(import_script):
