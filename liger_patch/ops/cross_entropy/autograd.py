@@ -24,6 +24,7 @@ from liger_patch.ops.cross_entropy.forward_io import (
     low_rank_needs,
 )
 from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.cross_entropy.recompute import FLCE_BACKWARD
 from liger_patch.ops.cross_entropy.row_io import ClassWeight
 
 _F32 = torch.float32
@@ -93,8 +94,6 @@ def _recomputed(ctx, saved: SavedTensors, opts: LossOptions, grad_loss, grad_z, 
     g_loss = zero if grad_loss is None else grad_loss.float()
     g_z = zero if grad_z is None else grad_z.float()
     row_coef = saved.row_weight * saved.token_scale if opts.use_token_scaling else saved.row_weight
-    from liger_patch.ops.cross_entropy.operator import FLCE_BACKWARD  # it imports this module
-
     grads = FLCE_BACKWARD(
         saved.hidden,
         saved.weight,

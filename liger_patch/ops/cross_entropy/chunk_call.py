@@ -1,6 +1,6 @@
 """What a call of the cross-entropy's chunk loops asks (``ChunkCall``) and gets (``ChunkResult``).
 
-The forward (``operator.flce``), the recomputing backward (``operator.recompute_grads``) and the
+The forward (``operator.flce``), the recomputing backward (``recompute.recompute_grads``) and the
 vocabulary-parallel loss each describe their call as one ``ChunkCall`` and hand it to
 ``chunks.run_chunks``, which plans it (``chunk_plan``) and walks it.
 """

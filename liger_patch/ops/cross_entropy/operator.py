@@ -36,7 +36,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import budget, head_start
+from liger_patch.ops.core import head_start
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
@@ -45,7 +45,6 @@ from liger_patch.ops.core.kept_rows import (
     begin_label_check,
     expects_skip,
     finish_label_check,
-    in_range_unless_read,
 )
 from liger_patch.ops.core.reduction import reduce_rows
 from liger_patch.ops.cross_entropy import chunk_plan
@@ -55,7 +54,8 @@ from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, Gra
 from liger_patch.ops.cross_entropy.chunks import run_chunks
 from liger_patch.ops.cross_entropy.forward_io import ForwardOutputs, low_rank_needs
 from liger_patch.ops.cross_entropy.options import LossOptions
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, EntropyGrad, RowOutputs
+from liger_patch.ops.cross_entropy.recompute import budget_bytes
+from liger_patch.ops.cross_entropy.row_io import ClassWeight, RowOutputs
 from liger_patch.ops.cross_entropy.rows import z_loss_rows
 
 _F32 = torch.float32
@@ -63,18 +63,6 @@ _F32 = torch.float32
 
 def _wants_argmax(opts: LossOptions) -> bool:
     return opts.return_token_accuracy or opts.return_predicted_tokens
-
-
-def _budget_bytes(call: ChunkCall, kept: Tensor | None) -> int:
-    """The chunk buffers' bytes for the call walking ``kept`` rows (every row when ``None``): its
-    budget (``budget.working_bytes``), which ``"batch"`` sizes by its hidden states and by what one
-    chunk of those rows would take."""
-    hidden, weight, n_tokens = call.inputs.hidden, call.inputs.weight, call.labels.shape[0]
-    n_rows = n_tokens if kept is None else kept.shape[0]
-    whole = budget.one_chunk_bytes(
-        n_rows, n_tokens, weight.shape[0], call.logits_dtype.itemsize, hidden.shape[1], hidden.element_size()
-    )
-    return budget.working_bytes(call.opts.memory_budget, n_tokens, hidden.nbytes, whole)
 
 
 def _forward_call(
@@ -111,8 +99,8 @@ def _begin_head(call: ChunkCall, keep: Tensor) -> tuple[head_start.HeadStart | N
     """The first chunk begun over the kept rows while the host waits for the label check to skip
     the ignored ones (``chunk_plan.start_head``), unless the budget depends on how many are kept;
     and the budget of a walk over every row."""
-    budget_all = _budget_bytes(call, None)
-    if _budget_bytes(call, call.labels[:1]) != budget_all:
+    budget_all = budget_bytes(call, None)
+    if budget_bytes(call, call.labels[:1]) != budget_all:
         return None, budget_all
     planned = dataclasses.replace(call, budget_bytes=budget_all)
     return chunk_plan.start_head(planned, call.wanted.weight, keep), budget_all
@@ -123,7 +111,7 @@ def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int
     and their budget, the rows' weights as the gradients' coefficients, the head start."""
     call = dataclasses.replace(call, labels=checked.labels, row_index=checked.kept_rows, head_start=head)
     if budget_all is None or checked.kept_rows is not None:
-        budget_all = _budget_bytes(call, checked.kept_rows)
+        budget_all = budget_bytes(call, checked.kept_rows)
     coef = checked.row_weight if call.wanted.any() else None
     return dataclasses.replace(call, budget_bytes=budget_all, coef_ce=coef, coef_z=coef)
 
@@ -242,85 +230,7 @@ def _flce_fake(
     )
 
 
-def _flce_backward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    labels: Tensor,
-    class_weight: Tensor | None,
-    lse: Tensor,
-    coef_ce: Tensor,
-    coef_z: Tensor,
-    entropy_coef: Tensor | None,
-    entropy: Tensor | None,
-    options: str,
-    needs: list[bool],
-    low_rank_u: Tensor | None = None,
-    low_rank_b: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of hidden, weight, bias, u and B (empty where not needed) from recomputed
-    logits, with per-row coefficients of d ce, d z-loss and (``entropy_coef``) d entropy."""
-    opts = LossOptions.from_key(options)
-    call = ChunkCall(
-        backend=row_backend(opts.backend, hidden.device),
-        inputs=HeadInputs(hidden, weight, bias),
-        labels=in_range_unless_read(labels.long().contiguous(), weight.shape[0], opts.ignore_index),
-        opts=opts,
-        budget_bytes=0,
-        coef_ce=coef_ce,
-        coef_z=coef_z,
-        lse_in=lse,
-        wanted=GradsWanted.of([*needs[:3], *low_rank_needs(needs)]),
-        class_weight=ClassWeight.of(class_weight),
-        entropy_grad=None if entropy_coef is None else EntropyGrad(entropy_coef.float(), entropy),
-        low_rank=None if low_rank_u is None else (low_rank_u, low_rank_b),
-    )
-    res = recompute_grads(call)
-    grads = (res.grad_hidden, res.grad_weight, res.grad_bias, res.grad_u, res.grad_b)
-    return tuple(g if g is not None else torch.empty(0, dtype=_F32, device=hidden.device) for g in grads)
-
-
-def recompute_grads(call: ChunkCall) -> ChunkResult:
-    """The gradients ``call`` asks for, from logits recomputed with the rows' log-sum-exp
-    (``call.lse_in``) and per-row coefficients of d ce, d z-loss and d entropy, within the call's
-    memory budget for every row: the backward of ``flce`` and of the vocabulary-parallel loss
-    (whose backend reads a shard's columns of wider rows)."""
-    call = dataclasses.replace(call, budget_bytes=_budget_bytes(call, None))
-    with torch.autocast(call.inputs.hidden.device.type, enabled=False):
-        return run_chunks(call)
-
-
-flce_backward = torch.library.custom_op("liger_patch::flce_backward", _flce_backward, mutates_args=())
-
-
-@flce_backward.register_fake
-def _flce_backward_fake(
-    hidden,
-    weight,
-    bias,
-    labels,
-    class_weight,
-    lse,
-    coef_ce,
-    coef_z,
-    entropy_coef,
-    entropy,
-    options,
-    needs,
-    low_rank_u=None,
-    low_rank_b=None,
-):
-    return tuple(
-        t.new_empty(t.shape) if t is not None and need else hidden.new_empty(0, dtype=_F32)
-        for t, need in zip(
-            (hidden, weight, bias, low_rank_u, low_rank_b), (*needs[:3], *low_rank_needs(needs)), strict=True
-        )
-    )
-
-
 flce.register_autograd(backward, setup_context=setup_context)
 FLCE = EagerOp(torch.ops.liger_patch.flce, _flce, setup_context, backward)
 """``liger_patch::flce``, or its eager twin where the call is plain eager (``core/eager_call.py``);
 every argument positional."""
-FLCE_BACKWARD = EagerOp(torch.ops.liger_patch.flce_backward, _flce_backward)
-"""``liger_patch::flce_backward``, or its implementation where the call is plain eager."""

@@ -54,8 +54,8 @@ from liger_patch.ops.core.vocab_shard import (
 from liger_patch.ops.cross_entropy import outputs, shard_math
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, GradsWanted, HeadInputs
-from liger_patch.ops.cross_entropy.operator import recompute_grads
 from liger_patch.ops.cross_entropy.options import DEFAULT_OPTIONS, LossOptions, build_options
+from liger_patch.ops.cross_entropy.recompute import recompute_grads
 from liger_patch.ops.cross_entropy.row_io import (
     NO_RECORDS,
     ChunkRecords,

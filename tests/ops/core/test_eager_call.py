@@ -10,6 +10,7 @@ import liger_patch as lp
 from liger_patch.ops.core import forward_grads
 from liger_patch.ops.core.eager_call import runs_plainly
 from liger_patch.ops.cross_entropy import operator as ce_operator
+from liger_patch.ops.cross_entropy import recompute
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.distillation import operator as distill_operator
 
@@ -129,7 +130,7 @@ def test_backward_operators_run_plainly_with_the_registered_bits(gen, device, ba
     coef = torch.rand(N, generator=gen).to(device)
     args = (hidden, weight, None, labels, None, lse, coef, coef * 2, None, None, key, [True, True, False])
     called = []
-    plain = ce_operator.FLCE_BACKWARD
+    plain = recompute.FLCE_BACKWARD
     original = plain.impl
     plain.impl = lambda *a: called.append(torch.is_grad_enabled()) or original(*a)
     try:
