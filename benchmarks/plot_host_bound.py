@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per micro-batch")
     ax.set_ylabel("patched / unpatched step time")
-    ax.set_title(f"Training steps on {data['device']} (median of 8, fused AdamW)")
+    ax.set_title(f"Training steps on {data['device']} (paired rounds, fused AdamW)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
