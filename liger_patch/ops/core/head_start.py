@@ -30,18 +30,16 @@ _INTERPRET_ROW_ALIGN = 16  # its row tile under the interpreter
 @dataclass
 class HeadStart:
     """The first chunk's buffers (as many rows as it may have) with rows ``[0, done)`` of its
-    logits and partials computed, over every row or over the kept rows (``gathered``); ``take``
-    hands them over once."""
+    logits and partials computed over the first kept rows; ``take`` hands them over once."""
 
     logits: torch.Tensor | None  # (rows, V)
     partials: tuple | None  # (pmax, psum, pz), rows as ``logits``
     done: int
-    gathered: bool
 
-    def fits(self, gathered: bool, first_rows: int) -> bool:
-        """Whether a token pass over every row, or the kept ones (``gathered``), whose first
-        chunk has ``first_rows`` rows begins with the chunk this head began."""
-        return self.logits is not None and gathered == self.gathered and first_rows <= self.logits.shape[0]
+    def fits(self, walks_kept: bool, first_rows: int) -> bool:
+        """Whether a token pass, over the kept rows (``walks_kept``) or every row, whose first
+        chunk has ``first_rows`` rows begins with the chunk this head began (kept rows only)."""
+        return self.logits is not None and walks_kept and first_rows <= self.logits.shape[0]
 
     def take(self) -> tuple[torch.Tensor, tuple]:
         logits, partials = self.logits, self.partials
@@ -59,26 +57,22 @@ def head_rows(gflop: float, hidden_size: int, vocab: int, first_rows: int) -> in
     return min(rows, first_rows)
 
 
-def start(
-    gemm: LogitsGemm, h: torch.Tensor, first: int, keep: torch.Tensor | None = None
-) -> HeadStart | None:
+def start(gemm: LogitsGemm, h: torch.Tensor, first: int, keep: torch.Tensor) -> HeadStart | None:
     """Launch the first ``head_rows`` rows (``Tuning.head_start_gflop``) of the token pass's
-    first chunk, of at most ``first`` rows, over every row of ``h``, or with ``keep`` (the kept
-    rows' mask) over the kept ones, with ``gemm``'s fused logits GEMM; ``None`` when there is
-    nothing to start or the GEMM does not take the chunk."""
+    first chunk, of at most ``first`` rows, over the rows of ``h`` that ``keep`` (the kept rows'
+    mask) keeps, with ``gemm``'s fused logits GEMM; ``None`` when there is nothing to start or
+    the GEMM does not take the chunk."""
     w, opts = gemm.w, gemm.opts
     done = head_rows(opts.tuning.head_start_gflop, h.shape[1], w.shape[0], first)
     fused = gemm.fused.fused_logits
     if done == 0 or not fused.supported(h[:first], w, gemm.logits_dtype, opts.tuning):
         return None
-    if keep is None:
-        rows = h[:done]
-    else:  # the first ``done`` kept rows; past the last kept one, row 0 (computed, never used)
-        rows = h.index_select(0, torch.nonzero_static(keep, size=done, fill_value=0).view(-1))
+    # The first ``done`` kept rows; past the last kept one, row 0 (computed, never used).
+    rows = h.index_select(0, torch.nonzero_static(keep, size=done, fill_value=0).view(-1))
     logits = torch.empty(first, w.shape[0], dtype=gemm.logits_dtype, device=h.device)
     partials = fused.new_partials(first, w.shape[0], opts, h.device)
     gemm.logits(rows, logits[:done], _rows(partials, 0, done))
-    return HeadStart(logits, partials, done, keep is not None)
+    return HeadStart(logits, partials, done)
 
 
 def finish(head: HeadStart, gemm: LogitsGemm, h: torch.Tensor) -> tuple[torch.Tensor, tuple]:

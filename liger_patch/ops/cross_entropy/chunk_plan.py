@@ -55,22 +55,22 @@ def plan_for(
 
 
 @torch.no_grad()
-def start_head(call: ChunkCall, grad_weight: bool, keep: torch.Tensor | None) -> head_start.HeadStart | None:
+def start_head(call: ChunkCall, grad_weight: bool, keep: torch.Tensor) -> head_start.HeadStart | None:
     """``head_start.start`` for the forward ``call`` (computing grad_W or not: ``grad_weight``),
-    walking every row of its hidden states, or with ``keep`` (the kept rows' mask) the kept ones:
+    walking the rows of its hidden states that ``keep`` (the kept rows' mask) keeps:
     its plan and GEMM operands. ``None`` where that call's first chunk would not come from the
     fused GEMM (two passes, cuBLAS logits) or the weight needs a cast first."""
     hidden, weight, bias = call.inputs.hidden, call.inputs.weight, call.inputs.bias
     if weight.dtype != hidden.dtype or gemm_dtype_for(hidden) != hidden.dtype or hidden.shape[0] == 0:
         return None
-    # ``keep`` stands in for the kept rows' index, whose length is not known yet: over every
-    # row the first chunk is the plan's, over the kept ones it has at most the rows the budget
-    # holds unrounded (what a plan of one walked row gets: ``budget.chunk_rows``).
+    # ``keep`` stands in for the kept rows' index, whose length is not known yet: the first
+    # chunk has at most the rows the budget holds unrounded (what a plan of one walked row gets:
+    # ``budget.chunk_rows``).
     plan, walked = plan_for(call, grad_weight, keep)
     fused = fused_backend(call)
-    if fused is None or plan.two_pass or plan.weight_in_grad_weight or (keep is not None and walked is None):
+    if fused is None or plan.two_pass or plan.weight_in_grad_weight or walked is None:
         return None
-    first = plan.rows if keep is None else plan_for(call, grad_weight, keep[:1])[0].rows
+    first = plan_for(call, grad_weight, keep[:1])[0].rows
     b = None if bias is None else bias.float().contiguous()
     gemm = LogitsGemm(weight, b, call.opts, call.logits_dtype, fused)
     with torch.autocast(hidden.device.type, enabled=False):

@@ -92,25 +92,21 @@ def start_head(
     *,
     want_grad: bool,
     budget_bytes: int,
-    keep: Tensor | None,
+    keep: Tensor,
 ) -> head_start.HeadStart | None:
     """The first ``Tuning.head_start_gflop`` of the teacher's first logits chunk, launched before
-    the forward waits for its label check (``head_start.start``): over every row, or with
-    ``keep`` (the kept rows' mask) over the first kept ones. ``None`` where ``_step`` would not
+    the forward waits for its label check (``head_start.start``), over the first rows that
+    ``keep`` (the kept rows' mask) keeps. ``None`` where ``_step`` would not
     make that chunk with the fused GEMM as launched here (a cast of the hidden states first, no
     fused GEMM for this call, no rows)."""
     fused = fused_logits_for(backend, opts)
     hs, ht = student.hidden, teacher.hidden
     if fused is None or hs.shape[0] == 0 or hs.dtype != student.w.dtype or ht.dtype != teacher.w.dtype:
         return None
-    gathers = keep is not None
-    row_bytes = _row_bytes(backend, student.w.shape[0], student, teacher, opts, want_grad, gathers)
+    row_bytes = _row_bytes(backend, student.w.shape[0], student, teacher, opts, want_grad, gathers=True)
     # Over the kept rows, whose count is not known yet, the first chunk has at most the rows the
     # budget holds unrounded (what ``chunk_rows`` gives when they all fit in one chunk).
-    first = min(
-        chunk_rows(row_bytes, budget_bytes, 1, opts.student.tuning, 1 if gathers else hs.shape[0]),
-        hs.shape[0],
-    )
+    first = min(chunk_rows(row_bytes, budget_bytes, 1, opts.student.tuning, 1), hs.shape[0])
     s_dtype, t_dtype = opts.logits_dtype_for(hs.dtype), opts.logits_dtype_for(ht.dtype)
     if not fused.supported(hs[:first], student.w, s_dtype, opts.student.tuning):
         return None
