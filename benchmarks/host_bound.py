@@ -169,6 +169,24 @@ class Backlog:
         return done
 
 
+def steady_host_ms(call: Callable[[], object], backlog: Backlog, calls: int = 10) -> float:
+    """Host ms per call of ``calls`` calls in a row behind about 100 ms of queued GPU work (CUDA):
+    a training loop's host, busy without pause, rather than one call just after a sync; the
+    deferred label checks read after it (the probes in ``experiments/`` use it)."""
+    from liger_patch.ops.core import deferred_checks
+
+    torch.cuda.synchronize()
+    for _ in range(5):
+        backlog.queue()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    ms = 1e3 * (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    deferred_checks.raise_pending()
+    return ms
+
+
 # ---- part "op": one forward + backward, host time and wall time ----
 
 

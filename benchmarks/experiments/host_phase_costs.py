@@ -29,10 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
 from common import fwd_bwd, make_inputs, need_cuda  # noqa: E402
-from host_bound import Backlog, eager_loss, ours_loss  # noqa: E402
+from host_bound import Backlog, eager_loss, ours_loss, steady_host_ms  # noqa: E402
 
 from liger_patch import env  # noqa: E402
-from liger_patch.ops.core import deferred_checks  # noqa: E402
 
 PHASES = [
     ("liger_patch.ops.core.deferred_checks", "raise_ready"),
@@ -106,16 +105,7 @@ class PhaseTimer:
 
 
 def _steady_us(call, backlog: Backlog, calls: int = 10) -> float:
-    torch.cuda.synchronize()
-    for _ in range(5):
-        backlog.queue()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    us = 1e6 * (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    deferred_checks.raise_pending()
-    return us
+    return 1e3 * steady_host_ms(call, backlog, calls)
 
 
 def _units(hidden, weight, labels) -> dict:
@@ -174,14 +164,7 @@ def measure(n: int, h: int, v: int, ignored: float, backlog: Backlog) -> dict:
     units = {}
     for name, fn in _units(hidden, weight, labels).items():
         fn()
-        torch.cuda.synchronize()
-        for _ in range(5):
-            backlog.queue()
-        start = time.perf_counter()
-        for _ in range(200):
-            fn()
-        units[name] = round(1e6 * (time.perf_counter() - start) / 200, 2)
-        torch.cuda.synchronize()
+        units[name] = round(_steady_us(fn, backlog, calls=200), 2)
     row["units"] = units
     return row
 

@@ -22,7 +22,6 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
 from common import fwd_bwd, make_inputs, need_cuda  # noqa: E402
-from host_bound import Backlog, eager_loss, host_time, ours_loss  # noqa: E402
+from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
 from liger_patch.ops.core import deferred_checks, kept_rows  # noqa: E402
@@ -83,7 +82,7 @@ def measure(n: int, h: int, v: int, ignored: float, backlog: Backlog, out: Path)
     row = {"N": n, "H": h, "V": v, "ignored": ignored}
     row.update({f"{name}_host_ms": round(statistics.median(ms), 4) for name, ms in host.items()})
     for name in ("eager_fwd_bwd", "ours_fwd_bwd"):
-        steady = [_steady_host_ms(calls[name], backlog) for _ in range(5)]
+        steady = [steady_host_ms(calls[name], backlog) for _ in range(5)]
         row[f"{name}_steady_host_ms"] = round(statistics.median(steady), 4)
     torch.cuda.synchronize()
     backlog.queue()
@@ -97,21 +96,6 @@ def measure(n: int, h: int, v: int, ignored: float, backlog: Backlog, out: Path)
         f.write(f"\n=== ours fwd+bwd x5, N={n} H={h} V={v} ignored={ignored} ===\n{table}\n")
     _python_profile(calls["ours_fwd_bwd"], backlog, out / f"cprofile_{n}_{ignored}.txt")
     return row
-
-
-def _steady_host_ms(call, backlog: Backlog, calls: int = 10) -> float:
-    """Host ms per call of ``calls`` calls in a row behind about 100 ms of queued GPU work: a
-    training loop's host, busy without pause, rather than one call just after a sync."""
-    torch.cuda.synchronize()
-    for _ in range(5):
-        backlog.queue()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    ms = 1e3 * (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    deferred_checks.raise_pending()
-    return ms
 
 
 def _python_profile(call, backlog: Backlog, path: Path, calls: int = 20) -> None:
