@@ -46,7 +46,7 @@ from liger_patch.ops.core.kept_rows import (
     expects_skip,
     finish_label_check,
 )
-from liger_patch.ops.core.reduction import reduce_rows
+from liger_patch.ops.core.reduction import reduce_rows, weighted_total
 from liger_patch.ops.cross_entropy import chunk_plan
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
@@ -116,18 +116,29 @@ def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int
     return dataclasses.replace(call, budget_bytes=budget_all, coef_ce=coef, coef_z=coef)
 
 
-def _forward_outputs(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> ForwardOutputs:
-    """The loss and z-loss reduced from the rows' terms, and every output (empty where none)."""
-    opts, outputs, divisor = call.opts, call.outputs, checked.divisor
-    if opts.z_loss_scale == 0.0:  # the common case: no z-loss rows to make and add (launches)
-        loss = reduce_rows(res.ce, opts.reduction, divisor)
+def _losses(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> tuple[Tensor, Tensor]:
+    """The loss and z-loss reduced from the rows' terms (the kernels scaled ce by the token scale
+    already), NaN where the unread check poisons them."""
+    opts, poison = call.opts, checked.poison
+    if opts.z_loss_scale == 0.0 and opts.reduction != "none":  # the common case: fewest launches
+        loss = weighted_total(res.ce, checked.row_weight)  # the weights carry the poison
+        return loss, torch.zeros_like(loss) if poison is None else poison * 0.0
+    if opts.z_loss_scale == 0.0:
+        loss = reduce_rows(res.ce, opts.reduction, checked.divisor)
         z_loss = torch.zeros_like(loss)
     else:
-        z_rows = z_loss_rows(res.lse, opts, outputs.token_scale)  # the kernels scaled ce already
-        loss = reduce_rows(res.ce + z_rows, opts.reduction, divisor)
-        z_loss = reduce_rows(z_rows, opts.reduction, divisor)
-    if checked.poison is not None:
-        loss, z_loss = loss * checked.poison, z_loss * checked.poison
+        z_rows = z_loss_rows(res.lse, opts, call.outputs.token_scale)
+        loss = reduce_rows(res.ce + z_rows, opts.reduction, checked.divisor)
+        z_loss = reduce_rows(z_rows, opts.reduction, checked.divisor)
+    if poison is not None:
+        loss, z_loss = loss * poison, z_loss * poison
+    return loss, z_loss
+
+
+def _forward_outputs(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> ForwardOutputs:
+    """The loss and z-loss, and every output (empty where none)."""
+    outputs = call.outputs
+    loss, z_loss = _losses(call, res, checked)
 
     def given(t: Tensor | None, dtype: torch.dtype = _F32) -> Tensor:  # outputs may not be None
         return t if t is not None else torch.empty(0, dtype=dtype, device=call.inputs.hidden.device)
