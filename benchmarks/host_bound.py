@@ -100,7 +100,8 @@ GPU_PLAN = Plan(
     device="cuda",
     dtype=torch.bfloat16,
     op_n=(256, 1024, 4096, 16384),
-    op_heads=((896, 151936), (2048, 128256), (4096, 128256)),
+    # Qwen2.5-0.5B, Llama-3.2-1B, -3.1-8B; Mistral-7B (V 32k), Gemma-3-4B (V 262k), Llama-3.1-70B (H 8192)
+    op_heads=((896, 151936), (2048, 128256), (4096, 128256), (4096, 32768), (2560, 262144), (8192, 128256)),
     models={
         "qwen2.5-0.5b": ("qwen2", QWEN2_5_05B),
         "qwen3-1.7b": ("qwen3", QWEN3_1_7B),
