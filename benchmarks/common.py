@@ -219,6 +219,15 @@ def write_json(path: str | Path, data: object, indent: int = 1) -> None:
     path.write_text(json.dumps(data, indent=indent))
 
 
+def append_jsonl(path: str | Path, row: dict) -> None:
+    """Print ``row`` as one JSON line and append it to ``path`` (a probe's rows, kept as they come
+    so that a cut-off run keeps what it measured)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
 def update_json(path: str | Path, key: str, value: object, **head: object) -> None:
     """Set ``key`` in the JSON object at ``path`` (created with ``head`` when missing), keeping
     its other keys: one result file per probe, one key per mode of it."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import fwd_bwd, make_inputs, need_cuda  # noqa: E402
+from common import append_jsonl, fwd_bwd, make_inputs, need_cuda  # noqa: E402
 from host_bound import Backlog, ours_loss, steady_host_ms  # noqa: E402
 
 from liger_patch.ops.core.reduction import reduce_rows  # noqa: E402
@@ -68,9 +67,7 @@ def main() -> int:
     backlog = Backlog("cuda")
     for shape in args.shapes:
         row = measure(*map(int, shape.split(",")), args.rounds, backlog)
-        print(json.dumps(row), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(args.out, row)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import fwd_bwd, make_inputs, need_cuda  # noqa: E402
+from common import append_jsonl, fwd_bwd, make_inputs, need_cuda  # noqa: E402
 from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
@@ -132,9 +131,7 @@ def main() -> int:
     for shape in args.shapes:
         for ignored in args.ignored:
             row = measure(*map(int, shape.split(",")), ignored, backlog, args.out)
-            print(json.dumps(row), flush=True)
-            with open(args.out / "rows.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out / "rows.jsonl", row)
     return 0
 
 
