@@ -43,8 +43,9 @@ def runs_plainly(args: tuple) -> bool:
 class EagerOp:
     """A registered operator and its eager twin: ``op`` (``torch.ops.<ns>.<name>``) and the
     ``impl``, ``setup_context`` and ``backward`` it was registered with (none for an operator
-    without an autograd formula). Calling it with every argument positional runs the twin where
-    ``runs_plainly``, else ``op``."""
+    without an autograd formula; ``impl`` may differ from the registered one only where an
+    autograd.Function allows what an operator does not, ``EmptyOutputs``). Calling it with every
+    argument positional runs the twin where ``runs_plainly``, else ``op``."""
 
     def __init__(
         self,
@@ -54,10 +55,10 @@ class EagerOp:
         backward: Callable | None = None,
     ):
         self.op, self.impl = op, impl
-        self.twin = None if backward is None else self._autograd_twin(impl, setup_context, backward)
+        self.twin = None if backward is None else self._autograd_twin(op, impl, setup_context, backward)
 
     @staticmethod
-    def _autograd_twin(impl: Callable, setup_context: Callable, backward: Callable) -> type:
+    def _autograd_twin(op: Callable, impl: Callable, setup_context: Callable, backward: Callable) -> type:
         def forward(ctx, *args):
             output = impl(*args)
             setup_context(ctx, args, output)
@@ -66,8 +67,8 @@ class EagerOp:
         def twin_backward(ctx, *grads):
             return backward(ctx, *grads)
 
-        # Made with type() so that the name (and its grad_fn's, "<impl>_eagerBackward") says what it is.
-        name = f"{getattr(impl, '__name__', 'op').lstrip('_')}_eager"
+        # Made with type() so that the name (and its grad_fn's, "<op>_eagerBackward") says what it is.
+        name = f"{getattr(op, '__name__', 'op')}_eager"
         body = {"forward": staticmethod(forward), "backward": staticmethod(twin_backward)}
         return type(name, (torch.autograd.Function,), body)
 
@@ -80,3 +81,23 @@ class EagerOp:
             return self.impl(*args)
         with torch.no_grad():
             return self.impl(*args)
+
+
+class EmptyOutputs:
+    """Zero-size tensors for an operator's outputs that a call did not ask for (an operator's
+    outputs may not be ``None``), on ``device``. A registered operator's outputs may not alias
+    each other or its inputs, so there (``shared=False``) each is a new tensor; the eager twin, a
+    plain ``autograd.Function``, may return one tensor in several places, so there one tensor per
+    dtype serves the whole call: fewer allocations, each of them host time."""
+
+    def __init__(self, device: torch.device, shared: bool):
+        self.device, self.shared = device, shared
+        self._made: dict[torch.dtype, Tensor] = {}
+
+    def __call__(self, dtype: torch.dtype) -> Tensor:
+        if not self.shared:
+            return torch.empty(0, dtype=dtype, device=self.device)
+        made = self._made.get(dtype)
+        if made is None:
+            made = self._made[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return made

@@ -109,13 +109,14 @@ def _token_pass(state: PassState) -> None:
         if u is not None and state.low_rank.wants_grads:
             state.low_rank.chunk_grads(chunk, u, g)
         del logits, g
-    if res.ce is not None and ces:
+    if call.lse_in is None and ces:
         _set_losses(res, ces, lses, state.rows.index)
 
 
 def _set_losses(res: ChunkResult, ces: list, lses: list, index: torch.Tensor | None) -> None:
-    """The token chunks' ce and lse into the result: one copy (or scatter of the walked rows)
-    per call rather than one per chunk, and none for a single chunk of every row."""
+    """The token chunks' ce and lse into the result: one copy (or scatter of the walked rows
+    into the result's zeros) per call rather than one per chunk, and none for a single chunk of
+    every row, whose own ce and lse become the result's."""
     for name, parts in (("ce", ces), ("lse", lses)):
         walked_rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         if index is not None:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import head_start
-from liger_patch.ops.core.eager_call import EagerOp
+from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
@@ -135,13 +135,15 @@ def _losses(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> tuple[
     return loss, z_loss
 
 
-def _forward_outputs(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> ForwardOutputs:
-    """The loss and z-loss, and every output (empty where none)."""
+def _forward_outputs(
+    call: ChunkCall, res: ChunkResult, checked: CheckedLabels, empties: EmptyOutputs
+) -> ForwardOutputs:
+    """The loss and z-loss, and every output (one of ``empties`` where none)."""
     outputs = call.outputs
     loss, z_loss = _losses(call, res, checked)
 
     def given(t: Tensor | None, dtype: torch.dtype = _F32) -> Tensor:  # outputs may not be None
-        return t if t is not None else torch.empty(0, dtype=dtype, device=call.inputs.hidden.device)
+        return t if t is not None else empties(dtype)
 
     return ForwardOutputs(
         loss,
@@ -153,6 +155,11 @@ def _forward_outputs(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) 
         given(outputs.token_scale),
         *(given(g) for g in (res.grad_hidden, res.grad_weight, res.grad_bias, res.grad_u, res.grad_b)),
     )
+
+
+_Outputs = tuple[
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
+]  # ForwardOutputs' twelve
 
 
 def _flce(
@@ -167,10 +174,36 @@ def _flce(
     needs: list[bool],
     low_rank_u: Tensor | None = None,
     low_rank_b: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> _Outputs:
     """Forward: ``ForwardOutputs`` as a tuple; hidden (N, H), labels (N,), u (N, r), B (V, r).
-    Outputs not asked for are empty. ``needs`` says which of hidden, weight, bias (u, B) want
-    gradients."""
+    Outputs not asked for are empty (each its own tensor, as a registered operator's must be).
+    ``needs`` says which of hidden, weight, bias (u, B) want gradients."""
+    args = (hidden, weight, bias, labels, class_weight, num_items, num_items_value, options, needs)
+    return _forward(*args, low_rank_u, low_rank_b, empties=EmptyOutputs(hidden.device, shared=False))
+
+
+def _flce_eager(*args) -> _Outputs:
+    """``_flce`` for the eager twin (``FLCE``): the outputs not asked for share one empty tensor
+    per dtype (``EmptyOutputs``)."""
+    return _forward(*args, empties=EmptyOutputs(args[0].device, shared=True))
+
+
+def _forward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    num_items: Tensor | None,
+    num_items_value: float | None,
+    options: str,
+    needs: list[bool],
+    low_rank_u: Tensor | None = None,
+    low_rank_b: Tensor | None = None,
+    *,
+    empties: EmptyOutputs,
+) -> _Outputs:
+    """``_flce``'s body, its empty outputs made by ``empties``."""
     opts = LossOptions.from_key(options)
     cw = ClassWeight.of(class_weight)
     backend = row_backend(opts.backend, hidden.device)
@@ -189,7 +222,7 @@ def _flce(
     call = _checked_call(call, checked, head, budget_all)
     with torch.autocast(hidden.device.type, enabled=False):
         res = run_chunks(call)
-    return tuple(_forward_outputs(call, res, checked))
+    return tuple(_forward_outputs(call, res, checked, empties))
 
 
 flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())
@@ -242,6 +275,6 @@ def _flce_fake(
 
 
 flce.register_autograd(backward, setup_context=setup_context)
-FLCE = EagerOp(torch.ops.liger_patch.flce, _flce, setup_context, backward)
+FLCE = EagerOp(torch.ops.liger_patch.flce, _flce_eager, setup_context, backward)
 """``liger_patch::flce``, or its eager twin where the call is plain eager (``core/eager_call.py``);
 every argument positional."""

@@ -55,14 +55,16 @@ class PassState:
 
 
 def _new_result(call: ChunkCall, skips_rows: bool) -> ChunkResult:
-    """The result's buffers: ce and lse (unless the lse is given; ``_set_losses`` fills them),
-    grad_h, and grad_b's fp32 sum; grad_W is ``grad_weight_buffers``'. Where the token pass skips
-    rows (``skips_rows``) they must read as ignored ones, so the per-row buffers start as zeros."""
+    """The result's buffers: grad_h, grad_b's fp32 sum, and ce and lse where the token pass
+    scatters its walked rows into them (``skips_rows``: the others must read as ignored ones, so
+    the per-row buffers start as zeros) or has no rows; else the token chunks' own ce and lse
+    become the result (``chunks._set_losses``), and allocating them here would be two launches
+    for nothing. grad_W is ``grad_weight_buffers``'."""
     new = torch.zeros if skips_rows else torch.empty
     hidden, grads = call.inputs.hidden, call.computes_grads
     n_rows, device = hidden.shape[0], hidden.device
     res = ChunkResult(None, None, None, None, None)
-    if call.lse_in is None:
+    if call.lse_in is None and (skips_rows or n_rows == 0):
         res.ce = new(n_rows, dtype=torch.float32, device=device)
         res.lse = new(n_rows, dtype=torch.float32, device=device)
     if grads and call.wanted.hidden:  # contiguous whatever hidden's strides (not empty_like)

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import liger_patch as lp
 from liger_patch.ops.core import forward_grads
-from liger_patch.ops.core.eager_call import runs_plainly
+from liger_patch.ops.core.eager_call import EmptyOutputs, runs_plainly
 from liger_patch.ops.cross_entropy import operator as ce_operator
 from liger_patch.ops.cross_entropy import recompute
 from liger_patch.ops.cross_entropy.options import LossOptions
@@ -92,6 +92,33 @@ def test_twin_gives_the_registered_operators_bits(gen, device, monkeypatch, back
     for a, b in zip(registered[:3], twin[:3], strict=True):
         for x, y in zip(_tensors(a), _tensors(b), strict=True):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_empty_outputs_one_tensor_per_dtype_only_where_shared(device, shared):
+    empties = EmptyOutputs(torch.device(device), shared=shared)
+    made = [empties(torch.float32), empties(torch.int64), empties(torch.float32), empties(torch.int64)]
+    for t, dtype in zip(made, (torch.float32, torch.int64) * 2, strict=True):
+        assert t.shape == (0,) and t.dtype == dtype and t.device.type == torch.device(device).type
+    assert (made[0] is made[2] and made[1] is made[3]) == shared
+    assert made[0] is not made[1]
+
+
+def test_twin_shares_the_empty_outputs_and_the_operator_does_not(gen, device):
+    """Outputs not asked for: one empty tensor per dtype from the twin (fewer allocations), each
+    its own from the registered operator, whose outputs may not alias (the aliasing check runs)."""
+    hidden, weight, labels = _inputs(gen, device)
+    args = (hidden, weight, None, labels, None, None, None, LossOptions().key, [True, True, False])
+    twin = ce_operator.FLCE(*args)
+    registered = torch.ops.liger_patch.flce(*args)
+    torch.library.opcheck(torch.ops.liger_patch.flce.default, args, test_utils=("test_schema",))
+    # argmax (int64); entropy, token_scale and the bias, u and B gradients (fp32): asked for by none
+    twin_empties = [twin[i] for i in (2, 3, 6, 9, 10, 11)]
+    assert all(t.numel() == 0 for t in twin_empties)
+    assert len({id(t) for t in twin_empties}) == 2
+    assert len({id(registered[i]) for i in (2, 3, 6, 9, 10, 11)}) == 6
+    for x, y in zip(registered, twin, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_distillation_twin_gives_the_registered_operators_bits(gen, device, monkeypatch):

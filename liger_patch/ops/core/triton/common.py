@@ -18,10 +18,11 @@ def _jit(fn, interpret: bool):
     return triton.jit(fn)
 
 
-def jitted(fn):
-    """``fn`` jitted for the ``TRITON_INTERPRET`` mode of this moment (read on every call), so one
-    process can run a kernel on CUDA and, under the interpreter, on CPU tensors."""
-    return _jit(fn, env.triton_interpret())
+def jitted(fn, interpret: bool | None = None):
+    """``fn`` jitted for the ``TRITON_INTERPRET`` mode of this moment (read on every call, unless
+    the caller read it for this launch already and passes it), so one process can run a kernel on
+    CUDA and, under the interpreter, on CPU tensors."""
+    return _jit(fn, env.triton_interpret() if interpret is None else interpret)
 
 
 def sfu_log(x):

@@ -114,7 +114,8 @@ def label_check(
     items = scalars  # not read unless num_items is given
     if num_items is not None:  # a CPU tensor too: its pageable copy is staged at once, no wait
         items = num_items.reshape(1).to(device, non_blocking=True)
-    jitted(_label_check_kernel)[(1,)](
+    interpret = env.triton_interpret()
+    jitted(_label_check_kernel, interpret)[(1,)](
         labels,
         safe,
         row_weight,
@@ -126,7 +127,7 @@ def label_check(
         ignore_index,
         divisor.fixed,
         DIVISOR=int(divisor.kind),
-        BLOCK=256 if env.triton_interpret() else _BLOCK,
+        BLOCK=256 if interpret else _BLOCK,
         num_warps=8,
     )
     return LabelCheck(safe, row_weight, stats, scalars[0], scalars[1])

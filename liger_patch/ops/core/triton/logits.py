@@ -131,6 +131,15 @@ def _cuda_fits(device_index: int, tiles: tuple[int, int, int, int, int]) -> bool
     return torch.cuda.get_device_capability(device_index) >= (9, 0) and optin >= needed
 
 
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (``None``: the current one at the first call),
+    the persistent grid's width: the same at every call, and reading the device properties costs
+    host time at every chunk."""
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """TMA-loadable: unit column stride, 16-byte aligned base and row stride, rows that do not
     overlap (an expanded operand has row stride 0)."""
@@ -177,9 +186,13 @@ def partial_bytes_per_row(vocab: int, opts: LogitsOptions) -> int:
     return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
 
 
-def new_partials(rows: int, vocab: int, opts: LogitsOptions, device: torch.device) -> Partials:
-    """Empty partials for ``rows`` rows (``logits_with_partials`` fills them)."""
-    tiles_n = triton.cdiv(vocab, _tiles(opts.tuning, env.triton_interpret())[1])
+def new_partials(
+    rows: int, vocab: int, opts: LogitsOptions, device: torch.device, interpret: bool | None = None
+) -> Partials:
+    """Empty partials for ``rows`` rows (``logits_with_partials`` fills them); ``interpret``: the
+    ``TRITON_INTERPRET`` mode the caller read, else read now."""
+    interpret = env.triton_interpret() if interpret is None else interpret
+    tiles_n = triton.cdiv(vocab, _tiles(opts.tuning, interpret)[1])
     pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=device)
     pz = torch.empty_like(pmax) if opts.label_smoothing != 0.0 else None
     return pmax, torch.empty_like(pmax), pz
@@ -207,7 +220,7 @@ def logits_with_partials(
     bm, bn, bk, stages, warps = _tiles(opts.tuning, interpret)
     tiles_n = triton.cdiv(vocab, bn)
     if partials is None:
-        partials = new_partials(rows, vocab, opts, h.device)
+        partials = new_partials(rows, vocab, opts, h.device, interpret)
     elif partials[0].shape != (rows, tiles_n) or not all(p.is_contiguous() for p in partials[:2]):
         raise ValueError(f"partials must be contiguous ({rows}, {tiles_n}); got {tuple(partials[0].shape)}")
     pmax, psum, pz = partials
@@ -215,14 +228,10 @@ def logits_with_partials(
     n_tiles = triton.cdiv(rows, bm) * tiles_n
     if n_tiles == 0:
         return pmax, psum, pz
-    if interpret:
-        programs = _INTERPRET_PROGRAMS
-    else:
-        programs = torch.cuda.get_device_properties(h.device).multi_processor_count
-    programs = min(programs, n_tiles)
+    programs = min(_INTERPRET_PROGRAMS if interpret else _sm_count(h.device.index), n_tiles)
     descriptor = _tensor_descriptor()
     round_nearest = interpret and out.dtype == torch.bfloat16
-    jitted(_logits_lse_kernel)[(programs,)](
+    jitted(_logits_lse_kernel, interpret)[(programs,)](
         descriptor.from_tensor(h, [bm, bk]),
         descriptor.from_tensor(w, [bn, bk]),
         descriptor(out, [rows, vocab], [out.stride(0), 1], [bm, bn]),
@@ -241,13 +250,13 @@ def logits_with_partials(
         HAS_SMOOTHING=smoothing,
         ROUND_BF16_NEAREST=round_nearest,
         # Jitted functions as constexprs cost host time at every launch: passed only when used.
-        ROUND_FN=jitted(round_bf16_nearest) if round_nearest else None,
+        ROUND_FN=jitted(round_bf16_nearest, interpret) if round_nearest else None,
         BM=bm,
         BN=bn,
         BK=bk,
         GROUP_M=_GROUP_M,
         PROGRAMS=programs,
-        SOFTCAP_FN=jitted(softcap) if opts.softcap is not None else None,
+        SOFTCAP_FN=jitted(softcap, interpret) if opts.softcap is not None else None,
         num_stages=stages,
         num_warps=warps,
     )

@@ -66,7 +66,7 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
     for x, y in zip(tensors[::2], [*tensors[1::2], None], strict=False):
         n_y = 0 if y is None else y.numel()
         rounds = [interpret and t is not None and t.dtype == torch.bfloat16 for t in (x, y)]
-        jitted(_scale_kernel)[(triton.cdiv(x.numel(), block) + triton.cdiv(n_y, block),)](
+        jitted(_scale_kernel, interpret)[(triton.cdiv(x.numel(), block) + triton.cdiv(n_y, block),)](
             x,
             x if y is None else y,
             scale,
@@ -76,6 +76,6 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
             ROUND_X=rounds[0],
             ROUND_Y=rounds[1],
             # A jitted function as a constexpr costs host time at every launch: passed only when used.
-            ROUND_FN=jitted(round_bf16_nearest) if any(rounds) else None,
+            ROUND_FN=jitted(round_bf16_nearest, interpret) if any(rounds) else None,
             num_warps=8,
         )

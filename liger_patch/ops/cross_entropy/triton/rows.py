@@ -382,7 +382,8 @@ class _KernelTensors:
 def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: GivenLse | None) -> None:
     """One program per row of ``logits``, with the launch ``opts.tuning`` gives."""
     rows, vocab = logits.shape
-    block, warps = launch_config(vocab, opts.tuning, env.triton_interpret())
+    interpret = env.triton_interpret()  # read once for the launch: each read is host time
+    block, warps = launch_config(vocab, opts.tuning, interpret)
     compute_grad = t.grad is not None
     pmax, psum, pz = t.partials
     n_parts = 0 if pmax is None else pmax.shape[1]
@@ -392,7 +393,7 @@ def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: G
         and t.grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
     )
     dummy = logits  # unused pointer arguments still need a tensor
-    jitted(_ce_rows_kernel)[(rows,)](
+    jitted(_ce_rows_kernel, interpret)[(rows,)](
         logits,
         *(
             dummy if x is None else x
@@ -429,8 +430,8 @@ def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: G
         BLOCK_V=block,
         BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
         # A jitted function as a constexpr costs host time at every launch: passed only when used.
-        SOFTCAP_FN=jitted(softcap) if opts.softcap is not None else None,
-        FOLD_FN=jitted(fold_partials) if pmax is not None else None,
+        SOFTCAP_FN=jitted(softcap, interpret) if opts.softcap is not None else None,
+        FOLD_FN=jitted(fold_partials, interpret) if pmax is not None else None,
         num_warps=warps,
     )
 

@@ -1,0 +1,90 @@
+"""Probe: host time of one fused-loss call, two source trees of ``liger_patch`` alternated (issue 43).
+
+An A/B of a host-time change: each round runs one fresh process per tree (``--trees A B``, each a
+folder holding a ``liger_patch/`` package, e.g. a ``git worktree`` of the commit before), in
+alternating order, on the same card. A process measures, at each ``--shapes`` N,H,V (bf16, 25 %
+of labels ignored), the host ms of a forward + backward queued behind a GPU backlog (so the host
+never waits: ``host_bound.host_time``) ``--reps`` times and prints the median; the parent prints
+each tree's median over rounds and the difference, and appends one JSON line per shape to
+``--out``.
+
+    git worktree add /tmp/before HEAD~1
+    python benchmarks/experiments/tree_host_ab.py --trees /tmp/before . --out results/x.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/, for common and host_bound
+sys.path.insert(0, str(BENCH))
+from common import append_jsonl  # noqa: E402
+
+
+def measure(shapes: list[str], reps: int) -> dict[str, float]:
+    """In the child: median host ms per shape for the ``liger_patch`` first on ``sys.path``."""
+    from functools import partial
+
+    import torch
+    from common import make_inputs
+    from host_bound import LOGIT_STD, Backlog, fwd_bwd, host_time, ours_loss
+
+    backlog, result = Backlog("cuda"), {}
+    for shape in shapes:
+        n, h, v = map(int, shape.split(","))
+        hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac=0.25, logit_std=LOGIT_STD)
+        call = partial(fwd_bwd, ours_loss, hidden, weight, labels)
+        for _ in range(3):
+            call()
+        result[shape] = statistics.median(host_time(call, backlog, "cuda")[0] for _ in range(reps))
+        del hidden, weight, labels, call
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", nargs=2, help="two folders holding liger_patch/ (required)")
+    shapes = ["256,896,151936", "1024,4096,32768", "16384,896,151936"]
+    parser.add_argument("--shapes", nargs="+", default=shapes)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", default=None, help="JSON lines, one per shape")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.shapes, args.reps)))
+        return 0
+    if args.trees is None:
+        parser.error("--trees A B is required")
+    trees = [str(Path(t).resolve()) for t in args.trees]
+    runs: dict[str, dict[str, list[float]]] = {t: {s: [] for s in args.shapes} for t in trees}
+    for r in range(args.rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+            cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--shapes", *args.shapes]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{tree}: the measuring process failed:\n{done.stderr[-3000:]}")
+            out = done.stdout
+            for shape, ms in json.loads(out.strip().splitlines()[-1]).items():
+                runs[tree][shape].append(ms)
+    for shape in args.shapes:
+        a, b = (statistics.median(runs[t][shape]) for t in trees)
+        row = {"shape": shape, "a": trees[0], "b": trees[1], "a_host_ms": a, "b_host_ms": b,
+               "b_minus_a_us": 1e3 * (b - a), "rounds": args.rounds, "reps": args.reps,
+               "a_rounds": runs[trees[0]][shape], "b_rounds": runs[trees[1]][shape]}  # fmt: skip
+        print(f"{shape}: A {a:.3f} ms, B {b:.3f} ms, B - A {1e3 * (b - a):+.0f} us")
+        if args.out:
+            append_jsonl(args.out, row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
