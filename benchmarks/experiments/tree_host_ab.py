@@ -5,8 +5,8 @@ folder holding a ``liger_patch/`` package, e.g. a ``git worktree`` of the commit
 alternating order, on the same card. A process measures, at each ``--shapes`` N,H,V (bf16, 25 %
 of labels ignored), the host ms of a forward + backward queued behind a GPU backlog (so the host
 never waits: ``host_bound.host_time``) ``--reps`` times and prints the median; the parent prints
-each tree's median over rounds and the difference, and appends one JSON line per shape to
-``--out``.
+each tree's median over rounds, the difference, and the median of the rounds' differences (a
+round runs both trees back to back), and appends one JSON line per shape to ``--out``.
 
     git worktree add /tmp/before HEAD~1
     python benchmarks/experiments/tree_host_ab.py --trees /tmp/before . --out results/x.jsonl
@@ -77,10 +77,14 @@ def main() -> int:
                 runs[tree][shape].append(ms)
     for shape in args.shapes:
         a, b = (statistics.median(runs[t][shape]) for t in trees)
+        a_runs, b_runs = runs[trees[0]][shape], runs[trees[1]][shape]
+        paired = statistics.median(y - x for x, y in zip(a_runs, b_runs, strict=True))
         row = {"shape": shape, "a": trees[0], "b": trees[1], "a_host_ms": a, "b_host_ms": b,
-               "b_minus_a_us": 1e3 * (b - a), "rounds": args.rounds, "reps": args.reps,
-               "a_rounds": runs[trees[0]][shape], "b_rounds": runs[trees[1]][shape]}  # fmt: skip
-        print(f"{shape}: A {a:.3f} ms, B {b:.3f} ms, B - A {1e3 * (b - a):+.0f} us")
+               "b_minus_a_us": 1e3 * (b - a), "paired_b_minus_a_us": 1e3 * paired,
+               "rounds": args.rounds, "reps": args.reps,
+               "a_rounds": a_runs, "b_rounds": b_runs}  # fmt: skip
+        print(f"{shape}: A {a:.3f} ms, B {b:.3f} ms, B - A {1e3 * (b - a):+.0f} us "
+              f"(paired, the median of each round's B - A: {1e3 * paired:+.0f} us)")  # fmt: skip
         if args.out:
             append_jsonl(args.out, row)
     return 0
