@@ -342,7 +342,11 @@ class _UnseenLaunches:
 
 def _hide_launches(monkeypatch, module, kernel) -> None:
     real = module.jitted
-    monkeypatch.setattr(module, "jitted", lambda fn: _UnseenLaunches(real(fn)) if fn is kernel else real(fn))
+
+    def jitted(fn, *interpret):
+        return _UnseenLaunches(real(fn, *interpret)) if fn is kernel else real(fn, *interpret)
+
+    monkeypatch.setattr(module, "jitted", jitted)
 
 
 @pytest.mark.parametrize(
