@@ -102,6 +102,17 @@ def need_cuda(script: str) -> bool:
     return False
 
 
+def cpu_triton_refusal(package: str) -> str | None:
+    """Why ``package``'s Triton kernels cannot run on CPU tensors in this process, else ``None``.
+    A peer's kernels are Triton's JIT functions, compiled for the GPU unless ``TRITON_INTERPRET=1``
+    was set when they were defined (the peer imported): the smoke modes, on the CPU, run a peer's
+    Triton path only under the interpreter (CI), and report it missing on a GPU machine, where
+    it would be handed CPU tensors ("cannot be accessed from Triton"). Ours choose per call."""
+    if os.environ.get("TRITON_INTERPRET", "").strip() == "1":
+        return None
+    return f"{package}: its Triton kernels run on CPU tensors only under TRITON_INTERPRET=1"
+
+
 def make_inputs(
     n: int,
     h: int,

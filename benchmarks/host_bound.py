@@ -59,6 +59,7 @@ from common import (
     LLAMA_3_2_1B,
     QWEN2_5_05B,
     QWEN3_1_7B,
+    cpu_triton_refusal,
     environment,
     fwd_bwd,
     make_inputs,
@@ -359,13 +360,14 @@ def liger_kernel_applied(model: torch.nn.Module, family: str) -> Iterator[None]:
         cls.forward = original
 
 
-def liger_kernel_available() -> bool:
-    """Whether ``liger_kernel`` imports (it is not a dependency: its column stays null without)."""
+def liger_kernel_available(device: str) -> bool:
+    """Whether ``liger_kernel`` imports (it is not a dependency: its column stays null without)
+    and its Triton kernels can run on ``device`` (``common.cpu_triton_refusal``)."""
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError:
         return False
-    return True
+    return device != "cpu" or cpu_triton_refusal("liger_kernel") is None
 
 
 def variants(
@@ -376,7 +378,7 @@ def variants(
         "unpatched": contextlib.nullcontext,
         "patched": partial(ours_applied, model),
     }
-    if liger_kernel_available():
+    if liger_kernel_available(next(model.parameters()).device.type):
         out["liger"] = partial(liger_kernel_applied, model, family)
     return out
 

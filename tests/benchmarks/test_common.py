@@ -63,3 +63,20 @@ def test_report_row_prints_the_newest_row_and_writes_json_and_markdown(common, t
     assert json.loads(out.read_text()) == result
     md = tmp_path / "results" / "sweep.v2.md"
     assert md.read_text() == "cpu, torch 2.x, triton 3.x\n\n| n |\n|---|\n| 1 |\n| 2 |\n"
+
+
+def test_a_peers_triton_kernels_run_on_the_cpu_only_under_the_interpreter(common, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert common.cpu_triton_refusal("liger_kernel") is None
+    for value in ("0", ""):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        refusal = common.cpu_triton_refusal("liger_kernel")
+        assert refusal.startswith("liger_kernel") and "TRITON_INTERPRET=1" in refusal
+
+
+def test_the_distill_smoke_reports_a_triton_peer_missing_without_the_interpreter(import_script, monkeypatch):
+    distill = import_script("distill")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    setting = distill.Setting(beta=0.3, temperature=2.0, backend="torch")
+    rows = distill.smoke_rows(["liger_fused_jsd"], setting, ignore_frac=0.2, corr=0.9)
+    assert rows["liger_fused_jsd"]["ok"] and "liger_kernel" in rows["liger_fused_jsd"]["missing"]
