@@ -52,7 +52,7 @@ from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
 from liger_patch.ops.cross_entropy.chunks import run_chunks
-from liger_patch.ops.cross_entropy.forward_io import ForwardOutputs, low_rank_needs
+from liger_patch.ops.cross_entropy.forward_io import ForwardInputs, ForwardOutputs, low_rank_needs
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.recompute import budget_bytes
 from liger_patch.ops.cross_entropy.row_io import ClassWeight, RowOutputs
@@ -179,42 +179,31 @@ def _flce(
     Outputs not asked for are empty (each its own tensor, as a registered operator's must be).
     ``needs`` says which of hidden, weight, bias (u, B) want gradients."""
     args = (hidden, weight, bias, labels, class_weight, num_items, num_items_value, options, needs)
-    return _forward(*args, low_rank_u, low_rank_b, empties=EmptyOutputs(hidden.device, shared=False))
+    return _forward(ForwardInputs(*args, low_rank_u, low_rank_b), EmptyOutputs(hidden.device, shared=False))
 
 
 def _flce_eager(*args) -> _Outputs:
     """``_flce`` for the eager twin (``FLCE``): the outputs not asked for share one empty tensor
     per dtype (``EmptyOutputs``)."""
-    return _forward(*args, empties=EmptyOutputs(args[0].device, shared=True))
+    return _forward(ForwardInputs(*args), EmptyOutputs(args[0].device, shared=True))
 
 
-def _forward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    labels: Tensor,
-    class_weight: Tensor | None,
-    num_items: Tensor | None,
-    num_items_value: float | None,
-    options: str,
-    needs: list[bool],
-    low_rank_u: Tensor | None = None,
-    low_rank_b: Tensor | None = None,
-    *,
-    empties: EmptyOutputs,
-) -> _Outputs:
+def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
     """``_flce``'s body, its empty outputs made by ``empties``."""
-    opts = LossOptions.from_key(options)
-    cw = ClassWeight.of(class_weight)
+    opts = LossOptions.from_key(args.options)
+    cw = ClassWeight.of(args.class_weight)
+    hidden, weight, labels = args.hidden, args.weight, args.labels
     backend = row_backend(opts.backend, hidden.device)
     pending = begin_label_check(
         labels, weight.shape[0], opts.ignore_index, opts.reduction, None if cw is None else cw.weight,
-        NumItems(num_items, num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
-        _gemm_gflop(hidden, weight, opts.reduction, needs), backend.label_check,
+        NumItems(args.num_items, args.num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
+        _gemm_gflop(hidden, weight, opts.reduction, args.needs), backend.label_check,
     )  # fmt: skip
-    low_rank = None if low_rank_u is None else (low_rank_u, low_rank_b)
-    inputs = HeadInputs(hidden, weight, bias)
-    call = _forward_call(opts, backend, inputs, pending.labels, needs, class_weight=cw, low_rank=low_rank)
+    low_rank = None if args.low_rank_u is None else (args.low_rank_u, args.low_rank_b)
+    inputs = HeadInputs(hidden, weight, args.bias)
+    call = _forward_call(
+        opts, backend, inputs, pending.labels, args.needs, class_weight=cw, low_rank=low_rank
+    )
     head, budget_all = None, None
     if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
         head, budget_all = _begin_head(call, pending.keep)

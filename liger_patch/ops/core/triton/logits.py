@@ -132,12 +132,10 @@ def _cuda_fits(device_index: int, tiles: tuple[int, int, int, int, int]) -> bool
 
 
 @functools.cache
-def _sm_count(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device (``None``: the current one at the first call),
-    the persistent grid's width: the same at every call, and reading the device properties costs
-    host time at every chunk."""
-    index = torch.cuda.current_device() if device_index is None else device_index
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, the persistent grid's width: the same at every
+    call, and reading the device properties costs host time at every chunk."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _aligned(t: torch.Tensor) -> bool:
