@@ -29,6 +29,22 @@ def no_label_sync() -> Callable[[], None]:
     return undo
 
 
+def never_wait_to_skip() -> Callable[[], None]:
+    """The op that never waits for its label check to skip the ignored rows (issue 43): every
+    forward walks every row, ignored ones weighing 0, and its check is read later
+    (``kept_rows``), as ``Tuning.wait_to_skip_gflop`` = inf would make it. The shipped op waits
+    where that saves at least 400 GFLOP of its GEMMs."""
+    from liger_patch.ops.core.tuning import Tuning
+
+    original = Tuning.waits_to_skip
+    Tuning.waits_to_skip = lambda self, ignored_share, work_gflop: False
+
+    def undo() -> None:
+        Tuning.waits_to_skip = original
+
+    return undo
+
+
 def memory_at_peak() -> Callable[[], None]:
     """Record the allocator's history over the segment (this rank's GPU); at its end, replay it to
     the moment the bytes allocated during the segment peak and write what is alive then, summed
