@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -331,6 +332,27 @@ def worst_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
+    """``rounds`` rounds of ``run(patched)`` for unpatched and patched, the order alternating
+    (unpatched first in even rounds), so that a drift of the machine over the launch falls on
+    both alike (separate launches of the 2-GPU scripts differed by up to 40 %). Returns the two
+    records of the first round, unpatched then patched, each with ``round_step_s`` (every
+    round's ``median_step_s``) and ``median_step_s`` now their median; the patched one also with
+    ``paired_ratio``: the median over rounds of patched / unpatched in the same round."""
+    import statistics
+
+    done: list[dict[bool, dict]] = []
+    for r in range(rounds):
+        done.append({patched: run(patched) for patched in ((False, True) if r % 2 == 0 else (True, False))})
+    records = [dict(done[0][False]), dict(done[0][True])]
+    for record, patched in zip(records, (False, True), strict=True):
+        record["round_step_s"] = [runs[patched]["median_step_s"] for runs in done]
+        record["median_step_s"] = statistics.median(record["round_step_s"])
+    ratios = [p / u for u, p in zip(records[0]["round_step_s"], records[1]["round_step_s"], strict=True)]
+    records[1]["paired_ratio"] = statistics.median(ratios)
+    return records
 
 
 def training_steps(

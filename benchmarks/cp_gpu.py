@@ -12,16 +12,20 @@ Both ranks get the same batches; each runs the model on its shard of every seque
 4 layers, 16 heads (as many key-value heads: grouped-query SDPA under CP is left out), vocab
 128256, untied head, random init with a fixed seed, fp32 parameters trained with ``bf16=True``
 (FSDP2 mixed precision), AdamW, sequences of 4096 tokens (2 per step, 2048 tokens of each per
-rank), ``--steps`` steps, unpatched then patched (``LigerPatchCallback``) on the same data.
+rank), ``--steps`` steps, unpatched and patched (``LigerPatchCallback``) on the same data, in
+``--rounds`` rounds of one run each, the order alternating from round to round.
 
 Written to DIR/cp_gpu.json (rank 0): the versions; the keyword arguments the model received on
 each rank (first call); per variant the per-step losses (the Trainer's per-rank losses averaged
 over the ranks, as it logs them), grad norms (before clipping), every rank's step times, peak
 memory (allocated and reserved, the whole run, AdamW states included) and whether the fused
-path ran in every step; then ``parity_ok`` (every step's loss within ``LOSS_TOL`` and grad norm
-within ``GRAD_NORM_TOL`` relative, the fused path on both ranks in every step, never in the
-unpatched run, every rank's first call a shard with ``shift_labels``), ``patched_step_ms`` /
-``unpatched_step_ms`` (the slower rank's median after ``--warmup`` steps), and
+path ran in every step, all of the first round; then ``parity_ok`` (every step's loss within
+``LOSS_TOL`` and grad norm within ``GRAD_NORM_TOL`` relative, the fused path on both ranks in
+every step, never in the unpatched run, every rank's first call a shard with ``shift_labels``),
+``patched_step_ms`` /
+``unpatched_step_ms`` (the median over rounds of the slower rank's median after ``--warmup``
+steps; each round's in ``round_step_ms``), ``patched_over_unpatched_paired`` (the median over
+rounds of patched / unpatched in the same round), and
 ``full_sequence_check``: step 0's loss of both runs against the unpatched model's loss on the
 whole first batch on one GPU without CP (reported, not part of ``parity_ok``). Exit 1 when
 parity fails, 2 when this environment cannot run CP (versions printed first, the reason in the
@@ -351,6 +355,40 @@ def train(variant: str, device: torch.device, args) -> dict:
     return run
 
 
+VARIANTS = ("unpatched", "patched")
+
+
+def train_rounds(device: torch.device, args) -> list[dict]:
+    """``--rounds`` rounds of one Trainer run per variant, in alternating order (unpatched first
+    in even rounds, patched first in odd ones), so that a drift of the machine over the launch
+    falls on both variants alike: separate launches of this script differed by up to 40 %."""
+    rounds = []
+    for r in range(args.rounds):
+        runs = {}
+        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            log(f"round {r}: training {variant}")
+            runs[variant] = train(variant, device, args)
+        rounds.append(runs)
+    return rounds
+
+
+def step_times(rounds: list[dict]) -> dict:
+    """Each variant's step time (the median over rounds of the slower rank's median step), each
+    round's, and the paired ratio: the median over rounds of patched / unpatched in that round."""
+    per_round = {v: [max(runs[v]["median_step_ms_per_rank"]) for runs in rounds] for v in VARIANTS}
+    ratios = [p / u for p, u in zip(per_round["patched"], per_round["unpatched"], strict=True)]
+    return {
+        "round_step_ms": per_round,
+        **{f"{v}_step_ms": statistics.median(per_round[v]) for v in VARIANTS},
+        "patched_over_unpatched_paired": {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "rounds": len(ratios),
+        },
+    }
+
+
 def full_sequence_loss(device: torch.device, args) -> float:
     """Step 0's loss without CP: the unpatched model on the whole first batch on this one device
     (bf16 autocast on GPU, as the Trainer's forward), to set against the CP runs' step 0."""
@@ -421,7 +459,9 @@ def print_summary(result: dict) -> None:
     log(f"max |dloss| {c['max_loss_abs_diff']:.2e} (tol {LOSS_TOL}), max grad-norm rel diff "
         f"{c['max_grad_norm_rel_diff']:.2e} (tol {GRAD_NORM_TOL}); checks {c['checks']}")  # fmt: skip
     times = (result["unpatched_step_ms"], result["patched_step_ms"])
-    log("median step: unpatched {:.1f} ms, patched {:.1f} ms".format(*times))
+    paired = result["patched_over_unpatched_paired"]
+    log("median step: unpatched {:.1f} ms, patched {:.1f} ms".format(*times)
+        + f"; patched / unpatched paired {paired['median']:.3f} over {paired['rounds']} rounds")  # fmt: skip
     for name, run in (("unpatched", u), ("patched", p)):
         if "peak_allocated_gib_per_rank" in run:
             peaks = ", ".join(f"{x:.2f}" for x in run["peak_allocated_gib_per_rank"])
@@ -441,10 +481,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=4, help="runs of each variant, alternating (>= 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo + tiny shapes: check the script")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.seq = min(args.steps, 5), min(args.warmup, 2), min(args.seq, 64)
+        args.rounds = min(args.rounds, 2)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
 
 
@@ -468,9 +512,8 @@ def run(args, found: dict) -> int:
     )
     log("step 0 without CP")
     reference = full_sequence_loss(device, args)
-    for variant in ("unpatched", "patched"):
-        log(f"training {variant}")
-        result[variant] = train(variant, device, args)
+    rounds = train_rounds(device, args)
+    result.update(rounds[0])  # the first round's runs: the parity and the records
     result["full_sequence_check"] = {
         "step0_loss_without_cp": reference,
         **{f"{v}_step0_minus_it": result[v]["losses"][0] - reference for v in ("unpatched", "patched")},
@@ -478,8 +521,7 @@ def run(args, found: dict) -> int:
     }
     result["comparison"] = compare(result["unpatched"], result["patched"], args.steps, args.seq)
     result["parity_ok"] = result["comparison"]["parity_ok"]
-    for variant in ("unpatched", "patched"):
-        result[f"{variant}_step_ms"] = max(result[variant]["median_step_ms_per_rank"])
+    result.update(step_times(rounds))
     if dist.get_rank() == 0:
         write_json(args.out / "cp_gpu.json", result, indent=2)
     print_summary(result)

@@ -46,6 +46,7 @@ from common import (  # noqa: E402
     GRAD_TOL,
     LLAMA_3_2_1B,
     LOSS_TOL,
+    alternating_rounds,
     batch_for,
     full,
     log,
@@ -191,9 +192,13 @@ def memory(device: torch.device, args) -> list[dict]:
     shape = SMOKE_1B if args.smoke else LLAMA_1B
     rows = []
     for checkpointing in (False, True):
-        for patched in (False, True):
-            rows.append(memory_run(shape, patched, checkpointing, device, args))
+
+        def run(patched: bool, checkpointing: bool = checkpointing) -> dict:
+            result = memory_run(shape, patched, checkpointing, device, args)
             log(f"  memory run done: patched={patched} checkpointing={checkpointing}")
+            return result
+
+        rows += alternating_rounds(run, args.rounds)
     return rows
 
 
@@ -232,6 +237,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON results (written by rank 0)")
     parser.add_argument("--parity-steps", type=int, default=5)
     parser.add_argument("--mem-steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="memory runs of each variant, alternating")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo + tiny shapes: check the script")

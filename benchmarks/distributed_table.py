@@ -58,6 +58,7 @@ def _paired_runs(path: Path, key: str, setting: str) -> list[dict]:
                 "row": "llama_3_2_1b" + (", activation checkpointing" if checkpointing else ""),
                 "unpatched_step_ms": 1e3 * pair[False]["median_step_s"],
                 "patched_step_ms": 1e3 * pair[True]["median_step_s"],
+                "paired_ratio": pair[True].get("paired_ratio"),  # alternating rounds (common.py)
                 "unpatched_peak_gib_per_rank": pair[False]["peak_allocated_gib_per_rank"],
                 "patched_peak_gib_per_rank": pair[True]["peak_allocated_gib_per_rank"],
                 "parity_ok": found.get("parity_passed", found.get("parity", {}).get("passed")),
@@ -80,6 +81,7 @@ def _context_parallel_rows(path: Path) -> list[dict]:
             "row": f"h1024_l4, {found['sequences_per_step']}x{found['seq_len']} tokens per step",
             "unpatched_step_ms": found["unpatched_step_ms"],
             "patched_step_ms": found["patched_step_ms"],
+            "paired_ratio": found.get("patched_over_unpatched_paired", {}).get("median"),
             "unpatched_peak_gib_per_rank": peaks("unpatched"),
             "patched_peak_gib_per_rank": peaks("patched"),
             "parity_ok": found["parity_ok"],

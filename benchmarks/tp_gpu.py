@@ -58,6 +58,7 @@ from common import (  # noqa: E402
     LLAMA_3_2_1B,
     LOSS_TOL,
     PeakMemory,
+    alternating_rounds,
     batch_for,
     full,
     log,
@@ -204,9 +205,13 @@ def memory(device: torch.device, args) -> list[dict]:
     path = save_llama(shape, args.workdir / f"llama1b_shape_v{shape['vocab_size']}", torch.bfloat16)
     rows = []
     for checkpointing in (False, True):
-        for patched in (False, True):
-            rows.append(memory_run(path, patched, checkpointing, device, args))
+
+        def run(patched: bool, checkpointing: bool = checkpointing) -> dict:
+            result = memory_run(path, patched, checkpointing, device, args)
             log(f"  memory run done: patched={patched} checkpointing={checkpointing}")
+            return result
+
+        rows += alternating_rounds(run, args.rounds)
     return rows
 
 
@@ -322,6 +327,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 size (transformers' 2-D mesh; 4 GPUs)")
     parser.add_argument("--parity-steps", type=int, default=5)
     parser.add_argument("--mem-steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="memory runs of each variant, alternating")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo + tiny shapes: check the script")
