@@ -16,6 +16,9 @@ Part 2, memory (Llama-3.2-1B shape: vocab 128256, hidden 2048, 16 layers, interm
 root holds embeddings + head), bf16 mixed precision, AdamW, 8 x 2048 tokens per rank, patched
 and unpatched, without and with activation checkpointing. Report peak allocated / reserved
 memory per rank during the training steps and the median step time.
+The two variants run in ``--rounds`` rounds, the order alternating (``common.alternating_rounds``):
+peaks and losses are the first round's, the step time the median over rounds, and the patched
+record's ``paired_ratio`` the median over rounds of patched / unpatched in the same round.
 
 ``--smoke`` runs the same code on CPU with gloo and tiny shapes (no memory figures): a check
 that the script itself works, for machines without GPUs.

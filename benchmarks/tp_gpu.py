@@ -22,6 +22,9 @@ sdpa; random init, saved in bf16 and loaded sharded), bf16 weights, AdamW, 8 x 2
 rank (the same on both ranks of a tensor-parallel group), unpatched and patched, without and
 with activation checkpointing. Reported: peak allocated / reserved memory per rank during the
 steps, the median step time, the last loss.
+The two variants run in ``--rounds`` rounds, the order alternating (``common.alternating_rounds``):
+peaks and losses are the first round's, the step time the median over rounds, and the patched
+record's ``paired_ratio`` the median over rounds of patched / unpatched in the same round.
 
 Part 3, the op alone: ``vocab_parallel_loss`` (forward + backward, bf16) at N = 16384 tokens,
 H = 4096, V = 128256 split over the ranks, against the unsharded op on the whole weight on each
