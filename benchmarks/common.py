@@ -340,7 +340,7 @@ def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
     both alike (separate launches of the 2-GPU scripts differed by up to 40 %). Returns the two
     records of the first round, unpatched then patched, each with ``round_step_s`` (every
     round's ``median_step_s``) and ``median_step_s`` now their median; the patched one also with
-    ``paired_ratio``: the median over rounds of patched / unpatched in the same round."""
+    ``round_ratios`` (patched / unpatched in each round) and ``paired_ratio``, their median."""
     import statistics
 
     done: list[dict[bool, dict]] = []
@@ -351,6 +351,7 @@ def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
         record["round_step_s"] = [runs[patched]["median_step_s"] for runs in done]
         record["median_step_s"] = statistics.median(record["round_step_s"])
     ratios = [p / u for u, p in zip(records[0]["round_step_s"], records[1]["round_step_s"], strict=True)]
+    records[1]["round_ratios"] = ratios
     records[1]["paired_ratio"] = statistics.median(ratios)
     return records
 

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LOSS_TOL, GiB, log, write_json  # noqa: E402
+from common import LOSS_TOL, GiB, alternating_rounds, log, write_json  # noqa: E402
 
 CP_SIZE = 2
 GRAD_NORM_TOL = 5e-2  # relative, per step (bf16 patched vs unpatched)
@@ -314,6 +314,7 @@ def train(variant: str, device: torch.device, args) -> dict:
     """One Trainer run (``variant`` "unpatched" or "patched"); what every rank saw, gathered."""
     import liger_patch as lp
 
+    log(f"training {variant}")
     model = build_model(SMOKE_SHAPE if args.smoke else SHAPE, args.seed)
     first_call: dict = {}
 
@@ -343,6 +344,7 @@ def train(variant: str, device: torch.device, args) -> dict:
     run["median_step_ms_per_rank"] = [
         statistics.median(ms[args.warmup :] or ms) for ms in run["step_ms_per_rank"]
     ]
+    run["median_step_s"] = max(run["median_step_ms_per_rank"]) / 1e3  # the slower rank sets the step
     if device.type == "cuda":
         run["allocated_before_gib_per_rank"] = gather(allocated_before)
         run["peak_allocated_gib_per_rank"] = gather(torch.cuda.max_memory_allocated(device) / GiB)
@@ -358,30 +360,17 @@ def train(variant: str, device: torch.device, args) -> dict:
 VARIANTS = ("unpatched", "patched")
 
 
-def train_rounds(device: torch.device, args) -> list[dict]:
-    """``--rounds`` rounds of one Trainer run per variant, in alternating order (unpatched first
-    in even rounds, patched first in odd ones), so that a drift of the machine over the launch
-    falls on both variants alike: separate launches of this script differed by up to 40 %."""
-    rounds = []
-    for r in range(args.rounds):
-        runs = {}
-        for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-            log(f"round {r}: training {variant}")
-            runs[variant] = train(variant, device, args)
-        rounds.append(runs)
-    return rounds
-
-
-def step_times(rounds: list[dict]) -> dict:
+def step_times(unpatched: dict, patched: dict) -> dict:
     """Each variant's step time (the median over rounds of the slower rank's median step), each
-    round's, and the paired ratio: the median over rounds of patched / unpatched in that round."""
-    per_round = {v: [max(runs[v]["median_step_ms_per_rank"]) for runs in rounds] for v in VARIANTS}
-    ratios = [p / u for p, u in zip(per_round["patched"], per_round["unpatched"], strict=True)]
+    round's, and the paired ratio: the median over rounds of patched / unpatched in that round,
+    from ``alternating_rounds``' records."""
+    ratios = patched["round_ratios"]
+    records = {"unpatched": unpatched, "patched": patched}
     return {
-        "round_step_ms": per_round,
-        **{f"{v}_step_ms": statistics.median(per_round[v]) for v in VARIANTS},
+        "round_step_ms": {v: [s * 1e3 for s in r["round_step_s"]] for v, r in records.items()},
+        **{f"{v}_step_ms": r["median_step_s"] * 1e3 for v, r in records.items()},
         "patched_over_unpatched_paired": {
-            "median": statistics.median(ratios),
+            "median": patched["paired_ratio"],
             "min": min(ratios),
             "max": max(ratios),
             "rounds": len(ratios),
@@ -512,8 +501,10 @@ def run(args, found: dict) -> int:
     )
     log("step 0 without CP")
     reference = full_sequence_loss(device, args)
-    rounds = train_rounds(device, args)
-    result.update(rounds[0])  # the first round's runs: the parity and the records
+    # unpatched and patched in --rounds rounds, the order alternating: a drift of the machine
+    # over the launch falls on both alike (separate launches differed by up to 40 %)
+    unpatched, patched = alternating_rounds(lambda p: train(VARIANTS[p], device, args), args.rounds)
+    result.update(unpatched=unpatched, patched=patched)  # the first round's runs, for the parity
     result["full_sequence_check"] = {
         "step0_loss_without_cp": reference,
         **{f"{v}_step0_minus_it": result[v]["losses"][0] - reference for v in ("unpatched", "patched")},
@@ -521,7 +512,7 @@ def run(args, found: dict) -> int:
     }
     result["comparison"] = compare(result["unpatched"], result["patched"], args.steps, args.seq)
     result["parity_ok"] = result["comparison"]["parity_ok"]
-    result.update(step_times(rounds))
+    result.update(step_times(unpatched, patched))
     if dist.get_rank() == 0:
         write_json(args.out / "cp_gpu.json", result, indent=2)
     print_summary(result)
