@@ -340,7 +340,8 @@ def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
     both alike (separate launches of the 2-GPU scripts differed by up to 40 %). Returns the two
     records of the first round, unpatched then patched, each with ``round_step_s`` (every
     round's ``median_step_s``) and ``median_step_s`` now their median; the patched one also with
-    ``round_ratios`` (patched / unpatched in each round) and ``paired_ratio``, their median."""
+    ``round_ratios`` (patched / unpatched in each round) and ``paired_ratio``, their median; where
+    the runs give ``step_s`` (every step's time), ``round_steps_s`` keeps every round's."""
     import statistics
 
     done: list[dict[bool, dict]] = []
@@ -350,6 +351,8 @@ def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
     for record, patched in zip(records, (False, True), strict=True):
         record["round_step_s"] = [runs[patched]["median_step_s"] for runs in done]
         record["median_step_s"] = statistics.median(record["round_step_s"])
+        if "step_s" in record:  # every step of every round, to tell a drift from a mode
+            record["round_steps_s"] = [runs[patched]["step_s"] for runs in done]
     ratios = [p / u for u, p in zip(records[0]["round_step_s"], records[1]["round_step_s"], strict=True)]
     records[1]["round_ratios"] = ratios
     records[1]["paired_ratio"] = statistics.median(ratios)
@@ -360,8 +363,8 @@ def training_steps(
     model, vocab: int, seed: int, device: torch.device, args, foreach: bool | None = None
 ) -> dict:
     """``args.mem_steps`` AdamW steps of an already patched / sharded ``model`` on ``batch_for``
-    batches (``seed`` tells data-parallel replicas apart): the losses, the median step time
-    (the first step left out), whether the fused path ran, and on CUDA the memory before the
+    batches (``seed`` tells data-parallel replicas apart): the losses, every step's time and their
+    median (the first step left out), whether the fused path ran, and on CUDA the memory before the
     steps, the peak allocated and reserved during them, and every rank's peak. ``foreach``:
     AdamW's (``False`` for a model whose parameters mix DTensors and plain tensors)."""
     import contextlib
@@ -387,6 +390,7 @@ def training_steps(
     result = {
         "losses": losses,
         "median_step_s": statistics.median(times[1:] or times),
+        "step_s": times,
         "fused_path_ran": out.logits is None,
     }
     if device.type == "cuda":

@@ -207,7 +207,7 @@ def memory(device: torch.device, args) -> list[dict]:
     shape = SMOKE_1B if args.smoke else LLAMA_3_2_1B
     path = save_llama(shape, args.workdir / f"llama1b_shape_v{shape['vocab_size']}", torch.bfloat16)
     rows = []
-    for checkpointing in (False, True):
+    for checkpointing in {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]:
 
         def run(patched: bool, checkpointing: bool = checkpointing) -> dict:
             result = memory_run(path, patched, checkpointing, device, args)
@@ -334,6 +334,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo + tiny shapes: check the script")
+    parser.add_argument(
+        "--checkpointing", choices=("both", "off", "on"), default="both", help="memory runs without / with it"
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-op", action="store_true")
     args = parser.parse_args()
