@@ -50,6 +50,25 @@ PHASES = [
     ("liger_patch.ops.core.forward_grads", "ForwardGrads.scaled"),
     ("liger_patch.ops.core.eager_call", "runs_plainly"),
     ("liger_patch.ops.cross_entropy.functional", "fused_linear_cross_entropy"),
+    ("liger_patch.ops.cross_entropy.functional", "_fused"),
+    ("liger_patch.ops.core.validation", "check_tensors"),
+    ("liger_patch.ops.core.validation", "autocast_inputs"),
+    ("liger_patch.ops.cross_entropy.outputs", "pack"),
+    ("liger_patch.ops.cross_entropy.operator", "_forward"),
+    ("liger_patch.ops.cross_entropy.operator", "_losses"),
+    ("liger_patch.ops.core.triton.label_check", "label_check"),
+    ("liger_patch.ops.cross_entropy.pass_state", "_new_result"),
+    ("liger_patch.ops.cross_entropy.chunk_plan", "plan_for"),
+    ("liger_patch.ops.core.grad_weight_layout", "grad_weight_buffers"),
+    ("liger_patch.ops.core.grad_weight_layout", "weight_operand"),
+    ("liger_patch.ops.core.gemm", "chunk_logits"),
+    ("liger_patch.ops.core.triton.logits", "supported"),
+    ("liger_patch.ops.cross_entropy.triton.rows", "_launch"),
+    ("liger_patch.ops.core.grad_sums", "GradSums.add"),
+    ("liger_patch.ops.cross_entropy.chunks", "_set_losses"),
+    ("liger_patch.ops.cross_entropy.autograd", "setup_context"),
+    ("liger_patch.ops.cross_entropy.autograd", "backward"),
+    ("liger_patch.ops.core.eager_call", "EagerOp.__call__"),
 ]
 
 
@@ -142,7 +161,17 @@ def _units(hidden, weight, labels) -> dict:
         "triton_label_check": lambda: label_check(labels, weight.shape[0], -100, "mean"),
         "autograd_trivial_fwd_bwd": lambda: Trivial.apply(x).backward(),
         "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "pinned_empty_4": lambda: torch.empty(4, dtype=torch.int64, pin_memory=True),
+        "pinned_copy_event": lambda: _pinned_copy(labels[:4]),
+        "triton_jit_run_overhead": lambda: scale_(grads[:1], one),
     }
+
+
+def _pinned_copy(stats: torch.Tensor) -> None:
+    """``validation.check_from_stats``' device work: a pinned buffer, the copy into it, an event."""
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    torch.cuda.Event().record()
 
 
 def measure(n: int, h: int, v: int, ignored: float, backlog: Backlog) -> dict:
