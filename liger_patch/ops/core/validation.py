@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from liger_patch.ops.core.pinned_slots import send_to_host
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -233,13 +235,10 @@ def check_from_stats(
 ) -> ValueCheck:
     """The check whose device values ``stats`` (int64: the kept count, the least and greatest
     kept label, and 1 where ``divisor`` is bad) are computed already: their copy to the host
-    enqueued, on CUDA into pinned memory with an event to wait on."""
+    enqueued, on CUDA into a pinned slot with an event to wait on (``pinned_slots``)."""
     if not stats.is_cuda:
         return ValueCheck(labels, vocab, ignore_index, divisor, stats, None)
-    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-    host.copy_(stats, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
+    host, ready = send_to_host(stats)
     return ValueCheck(labels, vocab, ignore_index, divisor, host, ready)
 
 
