@@ -7,8 +7,6 @@ from typing import NamedTuple
 
 import torch
 
-from liger_patch.ops.core.pinned_slots import send_to_host
-
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -235,10 +233,13 @@ def check_from_stats(
 ) -> ValueCheck:
     """The check whose device values ``stats`` (int64: the kept count, the least and greatest
     kept label, and 1 where ``divisor`` is bad) are computed already: their copy to the host
-    enqueued, on CUDA into a pinned slot with an event to wait on (``pinned_slots``)."""
+    enqueued, on CUDA into pinned memory with an event to wait on."""
     if not stats.is_cuda:
         return ValueCheck(labels, vocab, ignore_index, divisor, stats, None)
-    host, ready = send_to_host(stats)
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
     return ValueCheck(labels, vocab, ignore_index, divisor, host, ready)
 
 
