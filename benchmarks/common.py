@@ -334,6 +334,36 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def profiled_step(step: Callable[[], None]) -> dict:
+    """``step()`` once under ``torch.profiler`` (CPU and CUDA), from a synchronised start: its wall
+    ms (synchronised), ``kernel_ms`` (a Counter: each kernel's summed GPU ms, by name),
+    ``host_wait_ms`` (a Counter: the host's ms inside the CUDA calls that wait for the GPU, by
+    call) and the kernel count."""
+    import collections
+    import time
+
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - start)
+    kernels: collections.Counter = collections.Counter()
+    waits: collections.Counter = collections.Counter()
+    count = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:90]] += event.device_time_total / 1e3
+            count += 1
+        elif event.name.startswith(HOST_WAITS):
+            waits[event.name] += event.cpu_time_total / 1e3
+    return {"wall_ms": wall, "kernel_ms": kernels, "host_wait_ms": waits, "kernels": count}
+
+
 def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
     """``rounds`` rounds of ``run(patched)`` for unpatched and patched, the order alternating
     (unpatched first in even rounds), so that a drift of the machine over the launch falls on

@@ -13,19 +13,15 @@ time differs most between the variants.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import environment, need_cuda, write_json  # noqa: E402
+from common import environment, need_cuda, profiled_step, write_json  # noqa: E402
 from e2e_families import ROWS, build_model, make_batch  # noqa: E402
-
-_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
 def _step(model, opt, batch) -> None:
@@ -39,24 +35,11 @@ def _profiled(model, opt, batch) -> dict:
     """One step under the profiler after two unprofiled ones: its figures and kernels."""
     for _ in range(2):
         _step(model, opt, batch)
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        start = time.perf_counter()
-        _step(model, opt, batch)
-        torch.cuda.synchronize()
-        wall = 1e3 * (time.perf_counter() - start)
-    kernels: collections.Counter = collections.Counter()
-    waits: collections.Counter = collections.Counter()
-    count = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name[:90]] += event.device_time_total / 1e3
-            count += 1
-        elif event.name.startswith(_WAITS):
-            waits[event.name] += event.cpu_time_total / 1e3
-    return {"wall_ms": wall, "gpu_busy_ms": sum(kernels.values()), "host_wait_ms": dict(waits),
-            "kernels": count, "by_kernel": kernels}  # fmt: skip
+    found = profiled_step(lambda: _step(model, opt, batch))
+    kernels = found["kernel_ms"]
+    return {"wall_ms": found["wall_ms"], "gpu_busy_ms": sum(kernels.values()),
+            "host_wait_ms": dict(found["host_wait_ms"]), "kernels": found["kernels"],
+            "by_kernel": kernels}  # fmt: skip
 
 
 def profile_row(name: str) -> dict:

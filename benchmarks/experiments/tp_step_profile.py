@@ -21,19 +21,16 @@ import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from common import LLAMA_3_2_1B, batch_for, write_json  # noqa: E402
+from common import LLAMA_3_2_1B, batch_for, profiled_step, write_json  # noqa: E402
 from tp_gpu import FOREACH, init, load_tp, replica, save_llama  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
-
-_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
 def _step(model, optimizer, batch) -> None:
@@ -43,30 +40,20 @@ def _step(model, optimizer, batch) -> None:
 
 
 def _profiled_step(model, optimizer, batch) -> tuple[dict, collections.Counter]:
-    """One step under the profiler: its figures, and its kernels' summed ms by name."""
+    """One step under the profiler, both ranks starting together: its figures, and its kernels'
+    summed ms by name."""
     torch.cuda.synchronize()
     dist.barrier()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        start = time.perf_counter()
-        _step(model, optimizer, batch)
-        torch.cuda.synchronize()
-        wall = 1e3 * (time.perf_counter() - start)
-    kernels: collections.Counter = collections.Counter()
-    waits: collections.Counter = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name[:90]] += event.device_time_total / 1e3
-        elif event.name.startswith(_WAITS):
-            waits[event.name] += event.cpu_time_total / 1e3
+    found = profiled_step(lambda: _step(model, optimizer, batch))
+    kernels = found["kernel_ms"]
     nccl = sum(ms for name, ms in kernels.items() if "nccl" in name.lower())
     figures = {
-        "wall_ms": wall,
+        "wall_ms": found["wall_ms"],
         "compute_ms": sum(kernels.values()) - nccl,
         "nccl_ms": nccl,
-        "host_wait_ms": sum(waits.values()),
-        "host_waits": dict(waits),
-        "kernels": sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        "host_wait_ms": sum(found["host_wait_ms"].values()),
+        "host_waits": dict(found["host_wait_ms"]),
+        "kernels": found["kernels"],
     }
     return figures, kernels
 
