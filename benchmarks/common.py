@@ -374,6 +374,8 @@ def alternating_rounds(run: Callable[[bool], dict], rounds: int) -> list[dict]:
     the runs give ``step_s`` (every step's time), ``round_steps_s`` keeps every round's."""
     import statistics
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     done: list[dict[bool, dict]] = []
     for r in range(rounds):
         done.append({patched: run(patched) for patched in ((False, True) if r % 2 == 0 else (True, False))})

@@ -31,7 +31,7 @@ from common import append_jsonl, fwd_bwd, make_inputs, need_cuda  # noqa: E402
 from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
-from liger_patch.ops.core import deferred_checks, kept_rows  # noqa: E402
+from liger_patch.ops.core import deferred_checks, kept_rows, validation  # noqa: E402
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 
 REPS = 15
@@ -44,10 +44,9 @@ def _label_check(labels: torch.Tensor, vocab: int) -> None:
     kept_rows.finish_label_check(pending, Tuning())
 
 
-def _pinned_copy(labels: torch.Tensor) -> None:
-    host = torch.empty(3, dtype=torch.int64, pin_memory=True)
-    host.copy_(labels[:3], non_blocking=True)
-    torch.cuda.Event().record()
+def _pinned_copy(labels: torch.Tensor, vocab: int, stats: torch.Tensor) -> None:
+    """The label check's copy of its four values to pinned memory and its event, as it makes them."""
+    validation.check_from_stats(labels, vocab, -100, None, stats)
 
 
 def _forward(hidden, weight, labels) -> None:
@@ -62,7 +61,7 @@ def pieces(hidden, weight, labels) -> dict:
         "ours_fwd": partial(_forward, hidden, weight, labels),
         "label_check": partial(_label_check, labels, vocab),
         "one_elementwise": partial(torch.ne, labels, -100),
-        "pinned_copy_event": partial(_pinned_copy, labels),
+        "pinned_copy_event": partial(_pinned_copy, labels, vocab, labels.new_ones(4)),
     }
 
 

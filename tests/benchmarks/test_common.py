@@ -80,3 +80,25 @@ def test_the_distill_smoke_reports_a_triton_peer_missing_without_the_interpreter
     setting = distill.Setting(beta=0.3, temperature=2.0, backend="torch")
     rows = distill.smoke_rows(["liger_fused_jsd"], setting, ignore_frac=0.2, corr=0.9)
     assert rows["liger_fused_jsd"]["ok"] and "liger_kernel" in rows["liger_fused_jsd"]["missing"]
+
+
+def test_alternating_rounds_alternate_the_order_and_pair_each_round(common):
+    order = []
+
+    def run(patched: bool) -> dict:  # the k-th run takes k seconds
+        order.append(patched)
+        return {"median_step_s": float(len(order)), "step_s": [len(order)]}
+
+    unpatched, patched = common.alternating_rounds(run, 3)
+    assert order == [False, True, True, False, False, True]
+    assert unpatched["round_step_s"] == [1.0, 4.0, 5.0] and unpatched["median_step_s"] == 4.0
+    assert patched["round_step_s"] == [2.0, 3.0, 6.0] and patched["median_step_s"] == 3.0
+    assert patched["round_ratios"] == [2.0, 0.75, 1.2]
+    assert patched["paired_ratio"] == 1.2
+    assert patched["round_steps_s"] == [[2], [3], [6]]
+
+
+@pytest.mark.parametrize("rounds", [0, -1])
+def test_alternating_rounds_refuse_fewer_than_one_round(common, rounds):
+    with pytest.raises(ValueError, match=f"rounds must be >= 1, got {rounds}"):
+        common.alternating_rounds(lambda patched: {"median_step_s": 1.0}, rounds)
