@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="256,896,151936;1024,2048,128256")
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
-    need_cuda()
+    need_cuda("op_host_inventory.py")
     backlog = Backlog("cuda")
     result = {"device": torch.cuda.get_device_name(), "shapes": []}
     for shape in args.shapes.split(";"):
