@@ -2,11 +2,19 @@
 ``liger_patch`` it is issued (issue 43, target 1).
 
 At ``--shapes`` N,H,V (bf16, a quarter of the labels -100, logit std 3), warm, behind about 100 ms
-of queued GPU work so that no call waits: ``torch.profiler`` (CPU and CUDA, with stacks) over
-``--calls`` forward + backward calls of ours, then of eager's. Listed per call: each top-level
-aten operator and each CUDA runtime / driver call (kernel launches, copies, events, syncs), with
-its host µs and the innermost ``liger_patch`` line that issued it; and the totals by kind. A count
-of what a call issues, to tell which of its operations could go. JSON to ``--out``.
+of queued GPU work so that no call waits, ``--calls`` forward + backward calls of ours, then of
+eager's, twice:
+
+* under ``torch.profiler`` (CPU and CUDA): per call, each top-level aten operator and each CUDA
+  runtime / driver call (kernel launches, copies, events, syncs) by name, with its count and
+  median host µs, and the totals by kind;
+* under a profile function on every thread (``threading.setprofile_all_threads``; the backward
+  runs on autograd's device thread): per call, the calls into compiled code (torch, Triton, the
+  C builtins) made from each ``liger_patch`` line, with the line of ours they came through. The
+  profiler's own stacks do not reach our lines here.
+
+A count of what a call issues and from where, to tell which of its operations could go. JSON to
+``--out``.
 
     python benchmarks/experiments/op_host_inventory.py --out /tmp/inventory.json
 """
@@ -19,6 +27,7 @@ import functools
 import json
 import statistics
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -30,12 +39,8 @@ from host_bound import Backlog, eager_loss, ours_loss  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks  # noqa: E402
 
+VARIANTS = ("ours", "eager")
 _RUNTIME = ("cuda", "cu")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, cudaEventRecord, ...
-
-
-def _where(event) -> str:
-    frames = [f for f in (event.stack or []) if "liger_patch/" in f]
-    return frames[0].split("liger_patch/")[-1] if frames else ""
 
 
 def _top_level(events) -> list:
@@ -64,22 +69,65 @@ def inventory(call, backlog: Backlog, calls: int) -> dict:
     torch.cuda.synchronize()
     for _ in range(5):  # about 100 ms: no call waits for the GPU
         backlog.queue()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
     torch.cuda.synchronize()
     deferred_checks.raise_pending()
     top = _top_level(prof.events())
-    items = [{"name": e.name, "host_us": round(e.cpu_time_total, 1), "where": _where(e)} for e in top]
     host_us = collections.defaultdict(list)
-    for i in items:
-        host_us[i["name"], i["where"]].append(i["host_us"])
+    for e in top:
+        host_us[e.name].append(e.cpu_time_total)
     rows = [
-        {"name": name, "where": where, "per_call": len(us) / calls, "host_us_median": statistics.median(us)}
-        for (name, where), us in sorted(host_us.items(), key=lambda kv: -sum(kv[1]))
+        {"name": name, "per_call": len(us) / calls, "host_us_median": round(statistics.median(us), 1)}
+        for name, us in sorted(host_us.items(), key=lambda kv: -sum(kv[1]))
     ]
-    kinds = collections.Counter("runtime" if i["name"].startswith(_RUNTIME) else "op" for i in items)
+    kinds = collections.Counter("runtime" if e.name.startswith(_RUNTIME) else "op" for e in top)
     return {"per_call": {k: v / calls for k, v in kinds.items()}, "rows": rows}
+
+
+_OURS = ("liger_patch/", "benchmarks/")  # the op's lines; for eager, the benchmark's own
+
+
+def _ours_line(frame) -> str | None:
+    """The innermost line of ``_OURS`` on the stack (``None``: the call came from elsewhere)."""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        for root in _OURS:
+            if root in path:
+                return f"{path.split(root)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def compiled_calls(call, backlog: Backlog, calls: int) -> dict:
+    """Per call: the calls into compiled code from each line of ours (``_OURS``), by callee."""
+    seen: collections.Counter = collections.Counter()
+
+    def hook(frame, event, arg) -> None:
+        if event == "c_call":
+            line = _ours_line(frame)
+            if line is not None:
+                owner = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__name__
+                seen[line, f"{owner}.{arg.__name__}"] += 1
+
+    torch.cuda.synchronize()
+    for _ in range(5):
+        backlog.queue()
+    # Every thread (Python >= 3.12): a CUDA backward runs on autograd's device thread.
+    set_profile = getattr(threading, "setprofile_all_threads", sys.setprofile)
+    set_profile(hook)
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        set_profile(None)
+    torch.cuda.synchronize()
+    deferred_checks.raise_pending()
+    by_line = collections.defaultdict(dict)
+    for (line, callee), n in sorted(seen.items()):
+        by_line[line][callee] = n / calls
+    return {"per_call": sum(seen.values()) / calls, "by_line": by_line}
 
 
 def main() -> None:
@@ -95,11 +143,14 @@ def main() -> None:
         n, h, v = (int(x) for x in shape.split(","))
         hidden, weight, labels = make_inputs(n, h, v, ignore_frac=0.25, logit_std=3.0)
         row = {"N": n, "H": h, "V": v}
-        for name, loss in (("ours", ours_loss), ("eager", eager_loss)):
+        for name, loss in zip(VARIANTS, (ours_loss, eager_loss), strict=True):
             call = functools.partial(fwd_bwd, loss, hidden, weight, labels)
             row[name] = inventory(call, backlog, args.calls)
+            row[name]["compiled_calls"] = compiled_calls(call, backlog, args.calls)
         result["shapes"].append(row)
-        print(json.dumps({k: row[k] if k in "NHV" else row[k]["per_call"] for k in row}), flush=True)
+        counts = {k: {**row[k]["per_call"], "compiled": row[k]["compiled_calls"]["per_call"]}
+                  for k in VARIANTS}  # fmt: skip
+        print(json.dumps({"N": n, "H": h, "V": v, **counts}), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 
