@@ -203,9 +203,15 @@ def memory_run(path: Path, patched: bool, checkpointing: bool, device: torch.dev
     return result
 
 
+def llama_1b_checkpoint(workdir: Path, smoke: bool) -> Path:
+    """The memory part's model (the Llama-3.2-1B shape, or its smoke stand-in), saved once in bf16
+    under ``workdir``: also what the TP probes in ``experiments/`` load."""
+    shape = SMOKE_1B if smoke else LLAMA_3_2_1B
+    return save_llama(shape, workdir / f"llama1b_shape_v{shape['vocab_size']}", torch.bfloat16)
+
+
 def memory(device: torch.device, args) -> list[dict]:
-    shape = SMOKE_1B if args.smoke else LLAMA_3_2_1B
-    path = save_llama(shape, args.workdir / f"llama1b_shape_v{shape['vocab_size']}", torch.bfloat16)
+    path = llama_1b_checkpoint(args.workdir, args.smoke)
     rows = []
     for checkpointing in {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]:
 

@@ -10,8 +10,8 @@ eager's, twice:
   median host µs, and the totals by kind;
 * under a profile function on every thread (``threading.setprofile_all_threads``; the backward
   runs on autograd's device thread): per call, the calls into compiled code (torch, Triton, the
-  C builtins) made from each ``liger_patch`` line, with the line of ours they came through. The
-  profiler's own stacks do not reach our lines here.
+  C builtins) made from each line of ``liger_patch`` (for eager, of the benchmark's own code), by
+  callee. The profiler's own stacks do not reach our lines here.
 
 A count of what a call issues and from where, to tell which of its operations could go. JSON to
 ``--out``.
@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import statistics
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,18 +64,26 @@ def _top_level(events) -> list:
     return out
 
 
-def inventory(call, backlog: Backlog, calls: int) -> dict:
-    for _ in range(5):
-        call()
-    deferred_checks.raise_pending()
+@contextlib.contextmanager
+def _behind_queue(backlog: Backlog) -> Iterator[None]:
+    """The measured calls run behind about 100 ms of queued GPU work (no call waits for it); the
+    deferred label checks read after them."""
     torch.cuda.synchronize()
-    for _ in range(5):  # about 100 ms: no call waits for the GPU
+    for _ in range(5):
         backlog.queue()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        deferred_checks.raise_pending()
+
+
+def inventory(call, backlog: Backlog, calls: int) -> dict:
+    for _ in range(5):  # warm
+        call()
+    with _behind_queue(backlog), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
-    torch.cuda.synchronize()
-    deferred_checks.raise_pending()
     top = _top_level(prof.events())
     host_us = collections.defaultdict(list)
     for e in top:
@@ -111,32 +121,29 @@ def compiled_calls(call, backlog: Backlog, calls: int) -> dict:
                 owner = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__name__
                 seen[line, f"{owner}.{arg.__name__}"] += 1
 
-    torch.cuda.synchronize()
-    for _ in range(5):
-        backlog.queue()
     # Every thread (Python >= 3.12): a CUDA backward runs on autograd's device thread.
     set_profile = getattr(threading, "setprofile_all_threads", sys.setprofile)
-    set_profile(hook)
-    try:
-        for _ in range(calls):
-            call()
-    finally:
-        set_profile(None)
-    torch.cuda.synchronize()
-    deferred_checks.raise_pending()
+    with _behind_queue(backlog):
+        set_profile(hook)
+        try:
+            for _ in range(calls):
+                call()
+        finally:
+            set_profile(None)
     by_line = collections.defaultdict(dict)
     for (line, callee), n in sorted(seen.items()):
         by_line[line][callee] = n / calls
     return {"per_call": sum(seen.values()) / calls, "by_line": by_line}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default="256,896,151936;1024,2048,128256")
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
-    need_cuda("op_host_inventory.py")
+    if not need_cuda("op_host_inventory.py"):
+        return 2
     backlog = Backlog("cuda")
     result = {"device": torch.cuda.get_device_name(), "shapes": []}
     for shape in args.shapes.split(";"):
@@ -152,7 +159,8 @@ def main() -> None:
                   for k in VARIANTS}  # fmt: skip
         print(json.dumps({"N": n, "H": h, "V": v, **counts}), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

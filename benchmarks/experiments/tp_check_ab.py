@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
-from common import LLAMA_3_2_1B, log, write_json  # noqa: E402
-from tp_gpu import SMOKE_1B, init, memory_run, save_llama  # noqa: E402
+from common import log, write_json  # noqa: E402
+from tp_gpu import init, llama_1b_checkpoint, memory_run  # noqa: E402
 
 from liger_patch.ops.core import vocab_shard  # noqa: E402
 from liger_patch.ops.cross_entropy import vocab_parallel  # noqa: E402
@@ -76,8 +76,7 @@ def main() -> None:
         args.batch, args.seq, args.rounds, args.mem_steps = 2, 64, min(args.rounds, 2), 3
     args.fsdp, args.tp = 1, int(os.environ["WORLD_SIZE"])
     device = init(args)
-    shape = SMOKE_1B if args.smoke else LLAMA_3_2_1B
-    path = save_llama(shape, args.workdir / f"llama1b_shape_v{shape['vocab_size']}", torch.bfloat16)
+    path = llama_1b_checkpoint(args.workdir, args.smoke)
     rounds = []
     for r in range(args.rounds):
         order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]

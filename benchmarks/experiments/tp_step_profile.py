@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from common import LLAMA_3_2_1B, batch_for, profiled_step, write_json  # noqa: E402
-from tp_gpu import FOREACH, init, load_tp, replica, save_llama  # noqa: E402
+from tp_gpu import FOREACH, init, llama_1b_checkpoint, load_tp, replica  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
 
@@ -116,8 +116,7 @@ def main() -> int:
     if device.type != "cuda":
         print("tp_step_profile.py needs CUDA GPUs", file=sys.stderr)
         return 2
-    folder = args.workdir / f"llama1b_shape_v{LLAMA_3_2_1B['vocab_size']}"
-    path = save_llama(LLAMA_3_2_1B, folder, torch.bfloat16)
+    path = llama_1b_checkpoint(args.workdir, smoke=False)
     runs = []
     for r in range(args.rounds):
         for patched in (False, True) if r % 2 == 0 else (True, False):
