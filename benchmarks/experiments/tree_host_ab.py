@@ -4,7 +4,9 @@ An A/B of a host-time change: each round runs one fresh process per tree (``--tr
 folder holding a ``liger_patch/`` package, e.g. a ``git worktree`` of the commit before), in
 alternating order, on the same card. A process measures, at each ``--shapes`` N,H,V (bf16, 25 %
 of labels ignored), the host ms of a forward + backward queued behind a GPU backlog (so the host
-never waits: ``host_bound.host_time``) ``--reps`` times and prints the median; the parent prints
+never waits: ``host_bound.host_time``) ``--reps`` times, and the host ms per call of ten calls in a
+row behind a longer backlog (``host_bound.steady_host_ms``, the key "N,H,V steady") ``--reps``
+times, and prints the medians; the parent prints
 each tree's median over rounds, the difference, and the median of the rounds' differences (a
 round runs both trees back to back), and appends one JSON line per shape to ``--out``.
 
@@ -33,7 +35,7 @@ def measure(shapes: list[str], reps: int) -> dict[str, float]:
 
     import torch
     from common import make_inputs
-    from host_bound import LOGIT_STD, Backlog, fwd_bwd, host_time, ours_loss
+    from host_bound import LOGIT_STD, Backlog, fwd_bwd, host_time, ours_loss, steady_host_ms
 
     backlog, result = Backlog("cuda"), {}
     for shape in shapes:
@@ -43,6 +45,7 @@ def measure(shapes: list[str], reps: int) -> dict[str, float]:
         for _ in range(3):
             call()
         result[shape] = statistics.median(host_time(call, backlog, "cuda")[0] for _ in range(reps))
+        result[f"{shape} steady"] = statistics.median(steady_host_ms(call, backlog) for _ in range(reps))
         del hidden, weight, labels, call
         torch.cuda.empty_cache()
     return result
@@ -64,7 +67,8 @@ def main() -> int:
     if args.trees is None:
         parser.error("--trees A B is required")
     trees = [str(Path(t).resolve()) for t in args.trees]
-    runs: dict[str, dict[str, list[float]]] = {t: {s: [] for s in args.shapes} for t in trees}
+    keys = [key for s in args.shapes for key in (s, f"{s} steady")]
+    runs: dict[str, dict[str, list[float]]] = {t: {k: [] for k in keys} for t in trees}
     for r in range(args.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
@@ -75,7 +79,7 @@ def main() -> int:
             out = done.stdout
             for shape, ms in json.loads(out.strip().splitlines()[-1]).items():
                 runs[tree][shape].append(ms)
-    for shape in args.shapes:
+    for shape in keys:
         a, b = (statistics.median(runs[t][shape]) for t in trees)
         a_runs, b_runs = runs[trees[0]][shape], runs[trees[1]][shape]
         paired = statistics.median(y - x for x, y in zip(a_runs, b_runs, strict=True))

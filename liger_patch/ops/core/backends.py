@@ -78,6 +78,7 @@ TORCH = Backend(
 )
 
 
+@functools.cache  # asked at every call; an installation does not change within a process
 def _triton_installed() -> bool:
     try:
         import triton  # noqa: F401

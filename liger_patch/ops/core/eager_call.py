@@ -30,7 +30,12 @@ def runs_plainly(args: tuple) -> bool:
     Python dispatch mode (fake tensors, ``make_fx``, functionalization), no torch function mode,
     no ``torch.func`` transform, every tensor (an argument, or in a list argument) a plain tensor
     or parameter."""
-    tensors = tuple(t for a in args for t in (a if isinstance(a, list) else (a,)) if isinstance(t, Tensor))
+    tensors = []
+    for a in args:  # a loop, not generators: this runs at every call (host time)
+        if isinstance(a, Tensor):
+            tensors.append(a)
+        elif isinstance(a, list):
+            tensors.extend(t for t in a if isinstance(t, Tensor))
     return (
         not torch.compiler.is_compiling()
         and all(type(t) in _PLAIN_TYPES for t in tensors)

@@ -9,6 +9,7 @@ import torch
 
 from liger_patch.ops.core import head_start
 from liger_patch.ops.core.budget import ChunkPlan, ChunkShape, plan_chunks
+from liger_patch.ops.core.contexts import autocast_off, without_grad
 from liger_patch.ops.core.gemm import LogitsGemm, gemm_dtype_for
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall
@@ -54,7 +55,7 @@ def plan_for(
     return plan_chunks(shape, call.budget_bytes, opts.tuning), None
 
 
-@torch.no_grad()
+@without_grad
 def start_head(call: ChunkCall, grad_weight: bool, keep: torch.Tensor) -> head_start.HeadStart | None:
     """``head_start.start`` for the forward ``call`` (computing grad_W or not: ``grad_weight``),
     walking the rows of its hidden states that ``keep`` (the kept rows' mask) keeps:
@@ -73,5 +74,5 @@ def start_head(call: ChunkCall, grad_weight: bool, keep: torch.Tensor) -> head_s
     first = plan_for(call, grad_weight, keep[:1])[0].rows
     b = None if bias is None else bias.float().contiguous()
     gemm = LogitsGemm(weight, b, call.opts, call.logits_dtype, fused)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         return head_start.start(gemm, hidden, min(first, hidden.shape[0]), keep)

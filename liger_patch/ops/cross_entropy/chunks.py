@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from liger_patch.ops.core import head_start
+from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.gemm import grad_view
 from liger_patch.ops.core.grad_weight_layout import (
     buffer_in,
@@ -39,7 +40,7 @@ from liger_patch.ops.cross_entropy.pass_state import PassState, pass_state
 from liger_patch.ops.cross_entropy.vocab_pass import vocab_pass
 
 
-@torch.no_grad()  # gradients are computed by hand here; autograd must not track the chunk GEMMs
+@without_grad  # gradients are computed by hand here; autograd must not track the chunk GEMMs
 def run_chunks(call: ChunkCall) -> ChunkResult:
     """Loss terms for every row of the call's hidden states (N, H), and the gradients it asks for
     in the dtypes of their inputs (``ChunkCall`` says what a call asks)."""

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import head_start
+from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
@@ -109,11 +110,13 @@ def _begin_head(call: ChunkCall, keep: Tensor) -> tuple[head_start.HeadStart | N
 def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int | None) -> ChunkCall:
     """The forward's call once its label check is read: the (sanitized) labels, the walked rows
     and their budget, the rows' weights as the gradients' coefficients, the head start."""
-    call = dataclasses.replace(call, labels=checked.labels, row_index=checked.kept_rows, head_start=head)
     if budget_all is None or checked.kept_rows is not None:
         budget_all = budget_bytes(call, checked.kept_rows)
     coef = checked.row_weight if call.wanted.any() else None
-    return dataclasses.replace(call, budget_bytes=budget_all, coef_ce=coef, coef_z=coef)
+    return dataclasses.replace(
+        call, labels=checked.labels, row_index=checked.kept_rows, head_start=head,
+        budget_bytes=budget_all, coef_ce=coef, coef_z=coef,
+    )  # fmt: skip
 
 
 def _losses(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> tuple[Tensor, Tensor]:
@@ -209,7 +212,7 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
     call = _checked_call(call, checked, head, budget_all)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         res = run_chunks(call)
     return tuple(_forward_outputs(call, res, checked, empties))
 

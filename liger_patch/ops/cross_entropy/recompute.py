@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import budget
+from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.kept_rows import in_range_unless_read
 from liger_patch.ops.cross_entropy.backends import row_backend
@@ -84,7 +85,7 @@ def recompute_grads(call: ChunkCall) -> ChunkResult:
     memory budget for every row: the backward of ``flce`` and of the vocabulary-parallel loss
     (whose backend reads a shard's columns of wider rows)."""
     call = dataclasses.replace(call, budget_bytes=budget_bytes(call, None))
-    with torch.autocast(call.inputs.hidden.device.type, enabled=False):
+    with autocast_off(call.inputs.hidden.device.type):
         return run_chunks(call)
 
 

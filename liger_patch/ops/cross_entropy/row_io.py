@@ -13,7 +13,7 @@ lse = logsumexp(z), y the label, w the class weights.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -55,10 +55,12 @@ class RowOutputs:
         return RowOutputs(*(None if t is None else t[start:stop] for t in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        """``(argmax, entropy, token_scale)``, the fields in order (spelled out: this runs at every
+        call, and ``dataclasses.fields`` is host time)."""
+        return self.argmax, self.entropy, self.token_scale
 
     def any(self) -> bool:
-        return any(t is not None for t in self.tensors())
+        return self.argmax is not None or self.entropy is not None or self.token_scale is not None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
@@ -207,7 +208,7 @@ def _shard_rows(hidden, weight, bias, labels: Tensor, call: _ShardCall, cw: Clas
     """The rows' loss terms from this shard's statistics and every other shard's (one all-gather)."""
     opts, shard = call.opts, call.shard
     names = shard_math.stat_names(opts)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         stats = shard_math.shard_statistics(
             row_backend(opts.backend, hidden.device),
             HeadInputs(hidden, weight, bias),

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.budget import chunk_rows
+from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.walked_rows import Chunk, chunks
@@ -203,7 +204,7 @@ class ChunkWalk:
     budget_bytes: int
 
 
-@torch.no_grad()
+@without_grad
 def walk_chunks(
     math: ChunkMath,
     walk: ChunkWalk,
@@ -251,7 +252,7 @@ class DistillCall:
     math: ChunkMath = TORCH_MATH
 
 
-@torch.no_grad()
+@without_grad
 def run_distill(call: DistillCall) -> DistillResult:
     """The losses and gradients ``call`` asks for (``DistillCall``)."""
     student, labels, needs, kept = call.student, call.labels, call.needs, call.kept

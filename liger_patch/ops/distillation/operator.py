@@ -35,6 +35,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
+from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
@@ -83,7 +84,7 @@ def _start_head(
         return None
     from liger_patch.ops.distillation.triton_chunk import start_head
 
-    with torch.autocast(student.hidden.device.type, enabled=False):
+    with autocast_off(student.hidden.device.type):
         return start_head(
             backend, Side.of(student), Side.of(teacher), opts,
             want_grad=want_grad, budget_bytes=budget_bytes, keep=keep,
@@ -143,7 +144,7 @@ def _fused_distill(
         head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes)
     checked = finish_label_check(pending, opts.tuning)
     with_ignored = checked.kept_rows is None and checked.n_kept != n_rows
-    with torch.autocast(student_hidden.device.type, enabled=False):
+    with autocast_off(student_hidden.device.type):
         call = DistillCall(
             student,
             teacher,
@@ -214,7 +215,7 @@ def _fused_distill_backward(
     )
     kept = kept_rows.kept_index(labels, opts.ignore_index)  # a sync on the CPU only
     with_ignored = kept is None and kept_rows.walks_every_row(labels)
-    with torch.autocast(student_hidden.device.type, enabled=False):
+    with autocast_off(student_hidden.device.type):
         call = DistillCall(
             Head(student_hidden, student_weight, student_bias),
             Head(teacher_hidden, teacher_weight, teacher_bias),

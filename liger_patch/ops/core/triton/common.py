@@ -25,6 +25,18 @@ def jitted(fn, interpret: bool | None = None):
     return _jit(fn, env.triton_interpret() if interpret is None else interpret)
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``triton.cdiv`` for the host: Triton's is a ``constexpr_function``, whose wrapper unwraps
+    every argument at each call (host time at every launch; docs/perf-notes.md item 60)."""
+    return -(-a // b)
+
+
+def pow2_at_least(n: int) -> int:
+    """``triton.next_power_of_2`` for the host (the same values, 0 for ``n`` <= 0), without its
+    ``constexpr_function`` wrapper (see ``ceil_div``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def sfu_log(x):
     """Natural log by the SFU: ``lg2.approx`` times ln 2, absolute error under 2^-21.4 on
     [0.5, 2]. ``tl.log`` compiles to a software logarithm of about 20 instructions, which kept the

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from liger_patch import env
 from liger_patch.ops.core.final_logits import LogitsOptions
-from liger_patch.ops.core.triton.common import jitted, round_bf16_nearest, softcap
+from liger_patch.ops.core.triton.common import ceil_div, jitted, round_bf16_nearest, softcap
 from liger_patch.ops.core.tuning import Tuning
 
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -181,7 +181,7 @@ def partial_bytes_per_row(vocab: int, opts: LogitsOptions) -> int:
     """Bytes of partials ``logits_with_partials`` allocates per row (about V/32 on CUDA, 1/64
     of a half-precision logits row), which the caller's memory budget must cover."""
     bn = _tiles(opts.tuning, env.triton_interpret())[1]
-    return triton.cdiv(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
+    return ceil_div(vocab, bn) * 4 * (3 if opts.label_smoothing != 0.0 else 2)
 
 
 def new_partials(
@@ -190,7 +190,7 @@ def new_partials(
     """Empty partials for ``rows`` rows (``logits_with_partials`` fills them); ``interpret``: the
     ``TRITON_INTERPRET`` mode the caller read, else read now."""
     interpret = env.triton_interpret() if interpret is None else interpret
-    tiles_n = triton.cdiv(vocab, _tiles(opts.tuning, interpret)[1])
+    tiles_n = ceil_div(vocab, _tiles(opts.tuning, interpret)[1])
     pmax = torch.empty(rows, tiles_n, dtype=torch.float32, device=device)
     pz = torch.empty_like(pmax) if opts.label_smoothing != 0.0 else None
     return pmax, torch.empty_like(pmax), pz
@@ -216,14 +216,14 @@ def logits_with_partials(
     vocab = w.shape[0]
     interpret = env.triton_interpret()
     bm, bn, bk, stages, warps = _tiles(opts.tuning, interpret)
-    tiles_n = triton.cdiv(vocab, bn)
+    tiles_n = ceil_div(vocab, bn)
     if partials is None:
         partials = new_partials(rows, vocab, opts, h.device, interpret)
     elif partials[0].shape != (rows, tiles_n) or not all(p.is_contiguous() for p in partials[:2]):
         raise ValueError(f"partials must be contiguous ({rows}, {tiles_n}); got {tuple(partials[0].shape)}")
     pmax, psum, pz = partials
     smoothing = opts.label_smoothing != 0.0
-    n_tiles = triton.cdiv(rows, bm) * tiles_n
+    n_tiles = ceil_div(rows, bm) * tiles_n
     if n_tiles == 0:
         return pmax, psum, pz
     programs = min(_INTERPRET_PROGRAMS if interpret else _sm_count(h.device.index), n_tiles)

@@ -11,11 +11,10 @@ docs/perf-notes.md). The product is taken in fp32 and rounded once, as ``mul_`` 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from liger_patch import env
-from liger_patch.ops.core.triton.common import jitted, round_bf16_nearest
+from liger_patch.ops.core.triton.common import ceil_div, jitted, round_bf16_nearest
 
 _BLOCK = 4096
 
@@ -66,7 +65,7 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
     for x, y in zip(tensors[::2], [*tensors[1::2], None], strict=False):
         n_y = 0 if y is None else y.numel()
         rounds = [interpret and t is not None and t.dtype == torch.bfloat16 for t in (x, y)]
-        jitted(_scale_kernel, interpret)[(triton.cdiv(x.numel(), block) + triton.cdiv(n_y, block),)](
+        jitted(_scale_kernel, interpret)[(ceil_div(x.numel(), block) + ceil_div(n_y, block),)](
             x,
             x if y is None else y,
             scale,

@@ -23,11 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 from liger_patch import env
-from liger_patch.ops.core.triton.common import fold_partials, jitted, softcap
+from liger_patch.ops.core.triton.common import fold_partials, jitted, pow2_at_least, softcap
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import (
@@ -248,8 +247,8 @@ def launch_config(vocab: int, tuning: Tuning, interpret: bool) -> tuple[int, int
     """``(block, warps)`` of the row kernel for rows of ``vocab`` logits."""
     if interpret:
         # Small blocks keep the interpreter fast and make small test vocabularies span several blocks.
-        return min(64, max(16, triton.next_power_of_2(vocab))), 1
-    block = min(tuning.row_block, max(128, triton.next_power_of_2(vocab)))
+        return min(64, max(16, pow2_at_least(vocab))), 1
+    block = min(tuning.row_block, max(128, pow2_at_least(vocab)))
     return block, tuning.warps_for(block)
 
 
@@ -341,15 +340,12 @@ class _KernelTensors:
     @classmethod
     def of(cls, logits, labels, grad, given, records, partials) -> _KernelTensors:  # noqa: PLR0913
         rows, device = logits.shape[0], logits.device
-        labels, coef_ce, coef_z, lse_in = (
-            None if t is None else t.contiguous()
-            for t in (
-                labels,
-                None if grad is None else grad.coef_ce,
-                None if grad is None else grad.coef_z,
-                None if given is None else given.lse,
-            )
-        )
+        labels = _contiguous(labels)
+        coef_ce = coef_z = lse_in = None
+        if grad is not None:
+            coef_ce, coef_z = _contiguous(grad.coef_ce), _contiguous(grad.coef_z)
+        if given is not None:
+            lse_in = given.lse.contiguous()
         cw = cw_total = None
         if records.class_weight is not None:
             cw = records.class_weight.weight.contiguous()
@@ -395,12 +391,17 @@ def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: G
     dummy = logits  # unused pointer arguments still need a tensor
     jitted(_ce_rows_kernel, interpret)[(rows,)](
         logits,
-        *(
-            dummy if x is None else x
-            for x in (t.grad, t.labels, t.coef_ce, t.coef_z, t.lse_in, pmax, psum, pz)
-        ),
+        dummy if t.grad is None else t.grad,
+        dummy if t.labels is None else t.labels,
+        dummy if t.coef_ce is None else t.coef_ce,
+        dummy if t.coef_z is None else t.coef_z,
+        dummy if t.lse_in is None else t.lse_in,
+        dummy if pmax is None else pmax,
+        dummy if psum is None else psum,
+        dummy if pz is None else pz,
         n_parts,
-        *(dummy if x is None else x for x in (t.ce, t.lse)),
+        dummy if t.ce is None else t.ce,
+        dummy if t.lse is None else t.lse,
         # None where unused: constexpr, no kernel parameter
         *(t.cw, t.cw_total, t.argmax, t.entropy, t.token_scale, t.eg_coef, t.eg_entropy),
         logits.stride(0),
@@ -428,12 +429,16 @@ def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: G
         # In place over wider logits, block k's stores overwrite blocks <= k: forwards only.
         REVERSE_PASS2=opts.tuning.reverse_pass2 and not grad_aliases_wider,
         BLOCK_V=block,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
+        BLOCK_P=min(1024, pow2_at_least(max(n_parts, 1))),
         # A jitted function as a constexpr costs host time at every launch: passed only when used.
         SOFTCAP_FN=jitted(softcap, interpret) if opts.softcap is not None else None,
         FOLD_FN=jitted(fold_partials, interpret) if pmax is not None else None,
         num_warps=warps,
     )
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def _row_output(outputs: RowOutputs | None, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor | None:

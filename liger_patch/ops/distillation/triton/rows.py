@@ -36,11 +36,16 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from liger_patch import env
-from liger_patch.ops.core.triton.common import fold_partials, jitted, per_element_log, softcap
+from liger_patch.ops.core.triton.common import (
+    fold_partials,
+    jitted,
+    per_element_log,
+    pow2_at_least,
+    softcap,
+)
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.distillation.options import DistillOptions
 
@@ -289,8 +294,8 @@ def launch_config(vocab: int, tuning: Tuning, interpret: bool) -> tuple[int, int
     item 36)."""
     if interpret:
         # Small blocks keep the interpreter fast and make small test vocabularies span several blocks.
-        return min(64, max(16, triton.next_power_of_2(vocab))), 1
-    block = min(max(tuning.row_block // 2, 64), max(128, triton.next_power_of_2(vocab)))
+        return min(64, max(16, pow2_at_least(vocab))), 1
+    block = min(max(tuning.row_block // 2, 64), max(128, pow2_at_least(vocab)))
     return block, tuning.warps_for(2 * block)
 
 
@@ -448,7 +453,7 @@ def distill_rows_triton(
         *_scalars(opts, mode),
         **_pass_flags(opts, mode, has_partials, compute_grad, aliases_wider),
         BLOCK_V=block,
-        BLOCK_P=min(1024, triton.next_power_of_2(max(n_parts, 1))),
+        BLOCK_P=min(1024, pow2_at_least(max(n_parts, 1))),
         **_functions(opts, mode, has_partials),
         num_warps=warps,
     )
