@@ -30,16 +30,17 @@ def runs_plainly(args: tuple) -> bool:
     Python dispatch mode (fake tensors, ``make_fx``, functionalization), no torch function mode,
     no ``torch.func`` transform, every tensor (an argument, or in a list argument) a plain tensor
     or parameter."""
+    if torch.compiler.is_compiling():
+        return False
     tensors = []
-    for a in args:  # a loop, not generators: this runs at every call (host time)
-        if isinstance(a, Tensor):
-            tensors.append(a)
-        elif isinstance(a, list):
-            tensors.extend(t for t in a if isinstance(t, Tensor))
+    for a in args:  # loops, not generators: this runs at every call (host time)
+        for t in a if isinstance(a, list) else (a,):
+            if isinstance(t, Tensor):
+                if type(t) not in _PLAIN_TYPES:
+                    return False
+                tensors.append(t)
     return (
-        not torch.compiler.is_compiling()
-        and all(type(t) in _PLAIN_TYPES for t in tensors)
-        and not has_torch_function(tensors)
+        not has_torch_function(tensors)
         and _get_current_dispatch_mode() is None
         and torch._C._functorch.peek_interpreter_stack() is None
     )

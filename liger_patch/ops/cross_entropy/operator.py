@@ -156,7 +156,11 @@ def _forward_outputs(
         res.lse,
         checked.row_weight,
         given(outputs.token_scale),
-        *(given(g) for g in (res.grad_hidden, res.grad_weight, res.grad_bias, res.grad_u, res.grad_b)),
+        given(res.grad_hidden),
+        given(res.grad_weight),
+        given(res.grad_bias),
+        given(res.grad_u),
+        given(res.grad_b),
     )
 
 
