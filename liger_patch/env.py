@@ -15,8 +15,10 @@ _TRUE = {"1", "true", "yes", "on"}
 # and the value's decoding), and one call of the fused loss reads a flag about ten times: host
 # time in every training step (docs/perf-notes.md item 60). On POSIX, CPython keeps the
 # variables as the bytes mapping ``os.environ._data``, which every write through ``os.environ``
-# (and ``monkeypatch.setenv``, ``mock.patch.dict``) updates; it is read directly where it exists.
-_RAW = getattr(os.environ, "_data", None) if os.name == "posix" else None
+# (and ``monkeypatch.setenv``, ``mock.patch.dict``) updates; it is read directly where it exists,
+# as long as ``os.environ`` is still the mapping it belongs to (a test may replace it whole).
+_ENVIRON = os.environ
+_RAW = getattr(_ENVIRON, "_data", None) if os.name == "posix" else None
 if not isinstance(_RAW, dict):
     _RAW = None
 _ENCODING = sys.getfilesystemencoding()  # how os.environ encodes and decodes on POSIX
@@ -24,9 +26,9 @@ _ENCODING = sys.getfilesystemencoding()  # how os.environ encodes and decodes on
 
 def _get(name: str) -> str:
     """The variable ``name``'s value now, ``""`` when unset."""
-    if _RAW is None:
+    if _RAW is None or os.environ is not _ENVIRON:
         return os.environ.get(name, "")
-    value = _RAW.get(name.encode())
+    value = _RAW.get(name.encode(_ENCODING, "surrogateescape"))
     return "" if value is None else value.decode(_ENCODING, "surrogateescape")
 
 

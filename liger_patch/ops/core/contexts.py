@@ -3,10 +3,12 @@ change something.
 
 ``torch.autocast(..., enabled=False)`` and ``torch.no_grad()`` are Python context managers that
 cost a few microseconds of host time each to build, enter and leave: in every training step, for
-nothing when autocast is already off (outside any autocast region) or gradients are already
-disabled (inside an ``autograd.Function``'s forward). Leaving an outermost autocast region also
-clears its cast cache, which outside autocast is empty, so skipping the manager there changes
-nothing (docs/perf-notes.md item 60).
+nothing when autocast is off for every device type or gradients are already disabled (inside an
+``autograd.Function``'s forward). The manager is skipped only where no device type has autocast
+on: its exit clears the thread's cast cache, shared by every device type, when it leaves the
+outermost region, and that cache is empty only while autocast is off everywhere (a region of
+another device type, or autocast switched on by ``torch.set_autocast_enabled``, fills it)
+(docs/perf-notes.md item 60).
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _NOTHING = contextlib.nullcontext()  # stateless: one instance serves every ``with``
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # None: always the manager
 
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """``torch.autocast(device_type, enabled=False)`` where autocast is on for ``device_type``,
-    else a context that does nothing."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta): as before, the manager decides
-        enabled = True
-    return torch.autocast(device_type, enabled=False) if enabled else _NOTHING
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on for any device type,
+    else a context that does nothing (also for a device type ``torch.autocast`` would refuse:
+    with autocast off everywhere there is nothing to turn off)."""
+    if _ANY_AUTOCAST is None or _ANY_AUTOCAST():
+        return torch.autocast(device_type, enabled=False)
+    return _NOTHING
 
 
 def without_grad(fn: Callable[P, R]) -> Callable[P, R]:

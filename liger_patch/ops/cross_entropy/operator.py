@@ -110,7 +110,7 @@ def _begin_head(call: ChunkCall, keep: Tensor) -> tuple[head_start.HeadStart | N
 def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int | None) -> ChunkCall:
     """The forward's call once its label check is read: the (sanitized) labels, the walked rows
     and their budget, the rows' weights as the gradients' coefficients, the head start."""
-    if budget_all is None or checked.kept_rows is not None:
+    if budget_all is None or checked.kept_rows is not None:  # budget_bytes reads shapes and options only
         budget_all = budget_bytes(call, checked.kept_rows)
     coef = checked.row_weight if call.wanted.any() else None
     return dataclasses.replace(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from liger_patch.ops.core import budget
+from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.final_logits import final_logits
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.cross_entropy.backends import RowBackend
@@ -122,7 +123,7 @@ def _empty_shard_stats(stats: torch.Tensor, names: tuple[str, ...]) -> torch.Ten
     return stats
 
 
-@torch.no_grad()
+@without_grad
 def shard_statistics(
     backend: RowBackend,
     inputs: HeadInputs,

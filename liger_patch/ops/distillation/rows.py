@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.final_logits import final_logits, softcap_slope_, to_raw_logits_
 from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 
@@ -126,7 +127,7 @@ def _cross_entropy(
     return ce, g.mul_(temperature)
 
 
-@torch.no_grad()
+@without_grad
 def side_log_probs(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
     """log_softmax(a) of a side's (rows, V) raw logits ``x``, a = its final logits at the
     temperature (``side``: ``DistillOptions.student`` or ``.teacher``), and with ``want_slope``
@@ -139,7 +140,7 @@ def side_log_probs(x: Tensor, side: SideOptions, want_slope: bool = False) -> tu
     return _log_softmax_(z), slope
 
 
-@torch.no_grad()
+@without_grad
 def distill_rows(
     ls: Tensor,
     lt: Tensor,
@@ -184,7 +185,7 @@ def distill_rows(
 # shard's part of each row's sums; their gradients need the sums over every shard, passed in.
 
 
-@torch.no_grad()
+@without_grad
 def side_logits(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple[Tensor, Tensor | None]:
     """a, a side's final logits at the temperature, from its (rows, V_r) raw logits ``x`` (not
     normalised: the shard sees part of each row), and with ``want_slope`` the softcap's slope
@@ -194,7 +195,7 @@ def side_logits(x: Tensor, side: SideOptions, want_slope: bool = False) -> tuple
     return z, softcap_slope_(u) if want_slope and u is not None else None
 
 
-@torch.no_grad()
+@without_grad
 def shard_stats(a_s: Tensor, a_t: Tensor, label_col: Tensor, opts: DistillOptions) -> list[Tensor]:
     """Per row over these columns: logsumexp of the student's and the teacher's a, and with a
     cross-entropy term logsumexp of z_s = T a_s and z_s at the label (0 where ``label_col``, the
@@ -208,7 +209,7 @@ def shard_stats(a_s: Tensor, a_t: Tensor, label_col: Tensor, opts: DistillOption
     return stats
 
 
-@torch.no_grad()
+@without_grad
 def shard_divergence_parts(
     ls: Tensor, lt: Tensor, beta: float, want_grad: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -244,7 +245,7 @@ def shard_cross_entropy_grad(ls: Tensor, label_col: Tensor, temperature: float, 
     return g.mul_(temperature)
 
 
-@torch.no_grad()
+@without_grad
 def shard_divergence_grad(
     terms: Tensor,
     ps: Tensor | None,

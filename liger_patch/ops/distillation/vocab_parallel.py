@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
+from liger_patch.ops.core.contexts import autocast_off, without_grad
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.kept_rows import NumItems
@@ -258,7 +259,7 @@ def _grad_step(
     return None, g, chunk.hs
 
 
-@torch.no_grad()
+@without_grad
 def _walk_grads(chunks: _ShardChunks, student: Head, needs: tuple, step: Callable, **walk: Any) -> tuple:
     """A pass that sums the student's gradients: this rank's part of grad_h, summed over the
     group (one all-reduce, as the unpatched tensor-parallel head does), and its shard's grad_W and
@@ -286,7 +287,7 @@ class _VocabParallelDistill(torch.autograd.Function):
         row_weight = row_weights(keep, opts.reduction, divisor)
         precompute = grads_in_forward(opts.reduction, sh.dtype, needs)
         values = torch.zeros(labels.shape[0], _value_columns(opts), dtype=_F32, device=labels.device)
-        with torch.autocast(sh.device.type, enabled=False):
+        with autocast_off(sh.device.type):
             rows = _ShardRows(labels, kept, shard, opts, widest)
             chunks = _ShardChunks.of((sh, sw, sb), (th, tw, tb), rows)
             step = functools.partial(_forward_step, _StepOn(shard, chunks.math))
@@ -317,7 +318,7 @@ class _VocabParallelDistill(torch.autograd.Function):
         sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
         teacher = held_teacher(ctx, saved)
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
-        with torch.autocast(sh.device.type, enabled=False):
+        with autocast_off(sh.device.type):
             rows = _ShardRows(labels, ctx.kept, ctx.shard, ctx.opts, ctx.widest)
             chunks = _ShardChunks.of((sh, sw, sb), teacher, rows)
             step = functools.partial(_grad_step, _StepOn(ctx.shard, chunks.math, values))

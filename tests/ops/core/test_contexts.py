@@ -35,13 +35,44 @@ def test_autocast_off_outside_autocast_sets_nothing():
         assert (torch.randn(2, 3) @ torch.randn(3, 2)).dtype == torch.float32
 
 
+def test_autocast_off_where_another_device_type_has_autocast_on():
+    """The cast cache is the thread's, shared by every device type: with autocast switched on by
+    hand for CUDA (no region, nesting 0), turning it off for the CPU must still enter and leave
+    the manager, whose exit clears that cache, as ``torch.autocast`` did before."""
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        manager = autocast_off("cpu")
+        assert isinstance(manager, torch.autocast)
+        with manager:
+            assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cuda")
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+
+
 def test_autocast_off_for_a_device_type_autocast_does_not_know():
-    """What ``torch.autocast`` itself does there (it refuses "meta"), not a silent no-op."""
-    with pytest.raises(RuntimeError) as theirs:
-        torch.autocast("meta", enabled=False)
-    with pytest.raises(RuntimeError) as ours:
-        autocast_off("meta")
+    """What ``torch.autocast`` itself does there (it refuses "meta") while autocast is on; with
+    autocast off everywhere there is nothing to turn off, and nothing is refused."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError) as theirs:
+            torch.autocast("meta", enabled=False)
+        with pytest.raises(RuntimeError) as ours:
+            autocast_off("meta")
     assert str(ours.value) == str(theirs.value)
+    with autocast_off("meta"):
+        pass
+
+
+def test_autocast_off_compiles_without_a_graph_break():
+    def scaled(x):
+        with autocast_off("cpu"):
+            return x @ x.t()
+
+    compiled = torch.compile(scaled, backend="eager", fullgraph=True)
+    x = torch.randn(3, 4)
+    assert compiled(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(x).dtype == torch.float32
 
 
 def test_without_grad_runs_without_grad_and_restores_the_mode():
@@ -63,6 +94,18 @@ def test_without_grad_runs_without_grad_and_restores_the_mode():
         assert not torch.is_grad_enabled()
     assert seen == [False, False]
     assert body.__name__ == "body" and body.__doc__ == "Doubles."
+
+
+def test_without_grad_under_inference_mode():
+    @without_grad
+    def body(x):
+        return x * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.inference_mode():
+        out = body(x)
+        assert out.is_inference() and not out.requires_grad
+        assert torch.is_inference_mode_enabled()
 
 
 def test_without_grad_restores_the_mode_when_the_body_raises():

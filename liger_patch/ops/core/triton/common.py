@@ -1,5 +1,6 @@
-"""What the Triton kernels share: jitting for the current mode, the softcap, bf16 rounding, a
-logarithm through the SFU, and the fold of the logits GEMM's log-sum-exp partials."""
+"""What the Triton kernels share: jitting for the current mode, the host's integer helpers of a
+launch (grids, block sizes), the softcap, bf16 rounding, a logarithm through the SFU, and the fold
+of the logits GEMM's log-sum-exp partials."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def jitted(fn, interpret: bool | None = None):
 
 
 def ceil_div(a: int, b: int) -> int:
-    """``triton.cdiv`` for the host: Triton's is a ``constexpr_function``, whose wrapper unwraps
-    every argument at each call (host time at every launch; docs/perf-notes.md item 60)."""
+    """``triton.cdiv`` for the host, for ``b`` > 0 (block sizes): Triton's is a
+    ``constexpr_function``, whose wrapper unwraps every argument at each call (host time at every
+    launch; docs/perf-notes.md item 60)."""
     return -(-a // b)
 
 

@@ -438,6 +438,7 @@ def _launch(logits: torch.Tensor, t: _KernelTensors, opts: LossOptions, given: G
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` contiguous (the kernel indexes per-row vectors by row), ``None`` as it is."""
     return None if t is None else t.contiguous()
 
 

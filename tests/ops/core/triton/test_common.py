@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 
 from liger_patch.ops.core.triton.common import ceil_div, pow2_at_least  # noqa: E402
 
-_VALUES = [*range(0, 70), 127, 128, 129, 4095, 4096, 4097, 151936, 262144, 262145, 2**40 + 3]
+_VALUES = [*range(-9, 70), 127, 128, 129, 4095, 4096, 4097, 151936, 262144, 262145, 2**40 + 3]
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 16, 64, 128, 256, 4096])
