@@ -22,6 +22,8 @@ from torch import Tensor
 from torch.overrides import has_torch_function
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from liger_patch.ops.core.contexts import without_grad
+
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
@@ -62,6 +64,8 @@ class EagerOp:
     ):
         self.op, self.impl = op, impl
         self.twin = None if backward is None else self._autograd_twin(op, impl, setup_context, backward)
+        # Without a formula the registration's outputs carry no graph: neither may the twin's.
+        self._plain = without_grad(impl) if backward is None else None
 
     @staticmethod
     def _autograd_twin(op: Callable, impl: Callable, setup_context: Callable, backward: Callable) -> type:
@@ -83,10 +87,7 @@ class EagerOp:
             return self.op(*args)
         if self.twin is not None:
             return self.twin.apply(*args)
-        if not torch.is_grad_enabled():  # a backward's call: no context to enter
-            return self.impl(*args)
-        with torch.no_grad():
-            return self.impl(*args)
+        return self._plain(*args)
 
 
 class EmptyOutputs:

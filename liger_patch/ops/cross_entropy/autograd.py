@@ -71,9 +71,9 @@ def _check_head_whole(ctx, weight: Tensor, bias: Tensor | None) -> None:
 
 
 def backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
-    saved = SavedTensors(*ctx.saved_tensors)
     opts = LossOptions.from_key(ctx.options)
     if torch.is_grad_enabled():  # create_graph=True: a graph for a second derivative
+        saved = SavedTensors(*ctx.saved_tensors)
         _check_head_whole(ctx, saved.weight, saved.bias)
         cw = ClassWeight.of(saved.class_weight)
         return _input_grads(differentiable_grads(saved, opts, ctx.needs, cw, grad_loss, grad_z, grad_entropy))
@@ -82,7 +82,9 @@ def backward(ctx, grad_loss, grad_z, _grad_argmax, grad_entropy, *_no_grads):
     # are scaled in place below, or not needed): a second backward recomputes.
     held, ctx.forward_grads = ctx.forward_grads, None
     if held is not None and not z_grad_matters and grad_entropy is None:
+        # The saved tensors are not unpacked here: each unpack is host time, and nothing reads them.
         return _input_grads(held.scaled(grad_loss))
+    saved = SavedTensors(*ctx.saved_tensors)
     _check_head_whole(ctx, saved.weight, saved.bias)
     return _input_grads(_recomputed(ctx, saved, opts, grad_loss, grad_z, grad_entropy))
 

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import liger_patch as lp
 from liger_patch.ops.core import forward_grads
-from liger_patch.ops.core.eager_call import EmptyOutputs, runs_plainly
+from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs, runs_plainly
 from liger_patch.ops.cross_entropy import operator as ce_operator
 from liger_patch.ops.cross_entropy import recompute
 from liger_patch.ops.cross_entropy.options import LossOptions
@@ -157,14 +157,14 @@ def test_backward_operators_run_plainly_with_the_registered_bits(gen, device, ba
     coef = torch.rand(N, generator=gen).to(device)
     args = (hidden, weight, None, labels, None, lse, coef, coef * 2, None, None, key, [True, True, False])
     called = []
-    plain = recompute.FLCE_BACKWARD
-    original = plain.impl
-    plain.impl = lambda *a: called.append(torch.is_grad_enabled()) or original(*a)
-    try:
-        twin = plain(*args)
-    finally:
-        plain.impl = original
+    impl = recompute.FLCE_BACKWARD.impl
+    spied = EagerOp(recompute.FLCE_BACKWARD.op, lambda *a: called.append(torch.is_grad_enabled()) or impl(*a))
+    twin = spied(*args)
     assert called == [False]
+    assert torch.equal(recompute.FLCE_BACKWARD(*args)[0], twin[0])
+    with torch.no_grad():  # a backward's call: grad mode is left as it is
+        spied(*args)
+    assert called == [False, False]
     registered = torch.ops.liger_patch.flce_backward(*args)
     for x, y in zip(registered, twin, strict=True):
         assert torch.equal(x, y) and not y.requires_grad

@@ -56,7 +56,6 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiply each contiguous tensor in place by the 0-d ``scale`` (skipped on device when 1),
     two tensors per launch (a call's grad_h and grad_W: launches are host time)."""
     interpret = env.triton_interpret()
-    scale = scale.reshape(1)
     block = 64 if interpret else _BLOCK
     for t in tensors:
         if not t.is_contiguous():
