@@ -12,7 +12,9 @@ At each ``--shapes`` N,H,V (25 % of the labels ignored, logit std 3) prints and 
 ``--out`` (JSON): host ms of one forward + backward queued behind about 20 ms of GPU work
 (``host_bound.host_time``, median of ``--reps``) and per call of ten in a row
 (``host_bound.steady_host_ms``), for eager (``F.cross_entropy`` on the full logits), the op and
-this minimal sequence, the three alternated in every repetition; and the minimal sequence's
+this minimal sequence, the same without the check's pinned copy and event ("minimal_no_copy") and
+without the check at all (its outputs made before the timing: "minimal_no_check"), all
+alternated in every repetition; and the minimal sequence's
 largest difference from the op in loss, grad_h and grad_W (the same kernels, so 0 is expected).
 Where minimal is more than eager + 0.5 ms, a call plan alone cannot meet target 1 with these
 launches.
@@ -49,13 +51,16 @@ _CHECKS: list[validation.ValueCheck] = []  # the label checks queued, read after
 
 
 class _Minimal(torch.autograd.Function):
-    """The op's launches for one chunk of every row, nothing else (see the module doc)."""
+    """The op's launches for one chunk of every row, nothing else (see the module doc). ``check``:
+    "full" launches the label check and queues its copy and event, "no_copy" only launches it,
+    "none" takes ``static``'s (a check made before the timing) and launches nothing for it."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden, weight, labels, check: str = "full", static=None) -> torch.Tensor:
         vocab = weight.shape[0]
-        checked = label_check(labels, vocab, IGNORE, "mean")
-        _CHECKS.append(validation.check_from_stats(labels, vocab, IGNORE, None, checked.stats))
+        checked = static if check == "none" else label_check(labels, vocab, IGNORE, "mean")
+        if check == "full":
+            _CHECKS.append(validation.check_from_stats(labels, vocab, IGNORE, None, checked.stats))
         logits = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
         partials = logits_with_partials(hidden, weight, None, OPTS, logits)
         weights = checked.row_weight
@@ -69,7 +74,7 @@ class _Minimal(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grads, ctx.grads = ctx.grads, None
         scale_(grads, grad_loss)
-        return grads[0], grads[1], None
+        return grads[0], grads[1], None, None, None
 
 
 def minimal_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -103,10 +108,19 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
         raise SystemExit(f"{n},{h},{v}: the fused logits GEMM does not take this shape here")
     if n * v * hidden.element_size() > 512 * 2**20:
         raise SystemExit(f"{n},{h},{v}: more than one chunk at the default budget; this probe runs one")
-    calls = {
-        name: (lambda fn=fn: fwd_bwd(fn, hidden, weight, labels))
-        for name, fn in (("eager", eager_loss), ("ours", ours_loss), ("minimal", minimal_loss))
-    }
+    static = label_check(labels, v, IGNORE, "mean")
+
+    def minimal_without(check: str):
+        return lambda h, w, y: _Minimal.apply(h, w, y, check, static)
+
+    variants = (
+        ("eager", eager_loss),
+        ("ours", ours_loss),
+        ("minimal", minimal_loss),
+        ("minimal_no_copy", minimal_without("no_copy")),
+        ("minimal_no_check", minimal_without("none")),
+    )
+    calls = {name: (lambda fn=fn: fwd_bwd(fn, hidden, weight, labels)) for name, fn in variants}
     row = {"N": n, "H": h, "V": v, "ignored": 0.25, **_differences(hidden, weight, labels)}
     for call in calls.values():  # warm, behind the spin as measured
         for _ in range(3):
@@ -145,13 +159,15 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("\n| N × H × V | eager | ours | minimal | minimal − eager | ten in a row: eager / ours / minimal |")
-    print("|---|---|---|---|---|---|")
+    head = "| N × H × V | eager | ours | minimal | minimal − eager | no copy | no check |"
+    print(f"\n{head} ten in a row: eager / ours / minimal |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         steady = " / ".join(f"{r[f'{k}_steady_host_ms']:.2f}" for k in ("eager", "ours", "minimal"))
         print(
             f"| {r['N']} × {r['H']} × {r['V']} | {r['eager_host_ms']:.2f} | {r['ours_host_ms']:.2f} | "
-            f"{r['minimal_host_ms']:.2f} | {r['minimal_host_ms'] - r['eager_host_ms']:+.2f} | {steady} |"
+            f"{r['minimal_host_ms']:.2f} | {r['minimal_host_ms'] - r['eager_host_ms']:+.2f} | "
+            f"{r['minimal_no_copy_host_ms']:.2f} | {r['minimal_no_check_host_ms']:.2f} | {steady} |"
         )
 
 
