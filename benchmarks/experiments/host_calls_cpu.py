@@ -7,12 +7,14 @@ answer arriving late, as behind a busy GPU (its event says "not yet" when first 
 call takes the path it takes on CUDA behind a backlog: every row walked, the check deferred.
 Nothing the launches would compute is right; the host work around them is the real code's.
 
-At ``--shape`` N,H,V (bf16, a quarter of the labels ignored) and ``--chunk-rows`` (0: the plan's),
-prints the median µs of a forward + backward (the median of ``--rounds`` rounds, each the median
-of ``--reps`` calls) and the number of Python function calls and builtin calls (``sys.setprofile``
-events) one forward + backward makes; with ``--by``, those calls counted inclusively under each
+At ``--shape`` N,H,V (``--dtype``, bf16 unless told, a quarter of the labels ignored) and
+``--chunk-rows`` (0: the plan's), with or without call plans (``--no-plans``), prints the median
+µs of a forward + backward (the median of ``--rounds`` rounds, each the median of ``--reps``
+calls) and the number of Python function calls and builtin calls (``sys.setprofile`` events) one
+forward + backward makes; with ``--by``, those calls counted inclusively under each
 ``liger_patch`` function. Its figures are this CPU's, a count to compare trees by, not the GPU
 host's times (triton_launch_cost.py, op_host_inventory.py and tree_host_ab.py measure those).
+Only fp32 inputs take a call plan here (on the CPU half inputs run fp32 GEMMs).
 
     python benchmarks/experiments/host_calls_cpu.py --by
 """
@@ -115,15 +117,22 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--by", action="store_true", help="the calls under each liger_patch function")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+        help="the inputs' dtype: on the CPU only fp32 inputs run the GEMMs in their own dtype, as "
+        "half inputs do on CUDA, so only they take a call plan (Tuning.call_plans)",
+    )  # fmt: skip
+    parser.add_argument("--no-plans", action="store_true", help="Tuning(call_plans=False)")
     args = parser.parse_args()
     _stub_the_device()
     n, h, v = map(int, args.shape.split(","))
     torch.manual_seed(0)
-    hidden = torch.randn(n, h).bfloat16().requires_grad_()
-    weight = torch.randn(v, h).bfloat16().requires_grad_()
+    dtype = getattr(torch, args.dtype)
+    hidden = torch.randn(n, h).to(dtype).requires_grad_()
+    weight = torch.randn(v, h).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (n,))
     labels[::4] = -100
-    tuning = Tuning(chunk_rows=args.chunk_rows) if args.chunk_rows else Tuning()
+    tuning = Tuning(chunk_rows=args.chunk_rows or None, call_plans=not args.no_plans)
     options = LossOptions.from_kwargs(backend="triton", tuning=tuning)
 
     def call() -> None:
@@ -142,7 +151,9 @@ def main() -> int:
     total, under = _call_counts(call)
     us = 1e6 * statistics.median(medians)
     rows = args.chunk_rows or "planned"
-    print(f"{args.shape}, chunk rows {rows}: {us:.1f} µs a forward + backward on this CPU; {total} calls")
+    plans = "off" if args.no_plans else "on"
+    head = f"{args.shape} {args.dtype}, chunk rows {rows}, plans {plans}"
+    print(f"{head}: {us:.1f} µs a forward + backward on this CPU; {total} calls")
     if args.by:
         for key, count in under.most_common(40):
             print(f"{count:6d}  {key}")

@@ -11,11 +11,13 @@ the tensors or twin dispatch: only the launches, their allocations and the autog
 At each ``--shapes`` N,H,V (25 % of the labels ignored, logit std 3) prints and writes to
 ``--out`` (JSON): host ms of one forward + backward queued behind about 20 ms of GPU work
 (``host_bound.host_time``, median of ``--reps``) and per call of ten in a row
-(``host_bound.steady_host_ms``), for eager (``F.cross_entropy`` on the full logits), the op and
-this minimal sequence, the same without the check's pinned copy and event ("minimal_no_copy") and
-without the check at all (its outputs made before the timing: "minimal_no_check"), all
-alternated in every repetition; and the minimal sequence's
-largest difference from the op in loss, grad_h and grad_W (the same kernels, so 0 is expected).
+(``host_bound.steady_host_ms``), for eager (``F.cross_entropy`` on the full logits), the op, the
+op with ``Tuning(call_plans=False)`` ("ours_unplanned": its chunk loop's decisions taken at every
+call) and this minimal sequence, the same without the check's pinned copy and event
+("minimal_no_copy") and without the check at all (its outputs made before the timing:
+"minimal_no_check"), all alternated in every repetition; and the minimal sequence's largest
+difference from the op in loss, grad_h and grad_W (the same kernels, so 0 is expected). The JSON
+names the commit (``--commit``, else ``git rev-parse``).
 Where minimal is more than eager + 0.5 ms, a call plan alone cannot meet target 1 with these
 launches.
 
@@ -28,24 +30,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import fwd_bwd, make_inputs, need_cuda  # noqa: E402
+from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
 from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks, validation  # noqa: E402
 from liger_patch.ops.core.triton.label_check import label_check  # noqa: E402
 from liger_patch.ops.core.triton.logits import logits_with_partials, supported  # noqa: E402
 from liger_patch.ops.core.triton.scale import scale_  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy  # noqa: E402
 from liger_patch.ops.cross_entropy.options import LossOptions  # noqa: E402
 from liger_patch.ops.cross_entropy.row_io import RowGrad  # noqa: E402
 from liger_patch.ops.cross_entropy.triton.rows import ce_rows_triton  # noqa: E402
 
 OPTS = LossOptions()
+UNPLANNED = Tuning(call_plans=False)
 IGNORE = -100
 _CHECKS: list[validation.ValueCheck] = []  # the label checks queued, read after the timing
 
@@ -75,6 +81,11 @@ class _Minimal(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         scale_(grads, grad_loss)
         return grads[0], grads[1], None, None, None
+
+
+def unplanned_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The op with ``Tuning(call_plans=False)``: every call takes its chunk loop's decisions again."""
+    return fused_linear_cross_entropy(hidden, weight, labels, tuning=UNPLANNED)
 
 
 def minimal_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -116,6 +127,7 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
     variants = (
         ("eager", eager_loss),
         ("ours", ours_loss),
+        ("ours_unplanned", unplanned_loss),
         ("minimal", minimal_loss),
         ("minimal_no_copy", minimal_without("no_copy")),
         ("minimal_no_check", minimal_without("none")),
@@ -142,12 +154,22 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
     return row
 
 
+def _git_head() -> str | None:
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shapes = ["256,896,151936", "256,4096,32768", "1024,2048,128256", "1024,4096,32768"]
     parser.add_argument("--shapes", nargs="+", default=shapes)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default=None, help="the tree's commit (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if not need_cuda("minimal_call_bound.py"):
         raise SystemExit(2)
@@ -157,15 +179,17 @@ def main() -> None:
         n, h, v = (int(x) for x in shape.split(","))
         rows.append(measure(n, h, v, args.reps, backlog))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    result = {**environment(), "commit": args.commit or _git_head(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    head = "| N × H × V | eager | ours | minimal | minimal − eager | no copy | no check |"
-    print(f"\n{head} ten in a row: eager / ours / minimal |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = "| N × H × V | eager | ours | unplanned | minimal | minimal − eager | no copy | no check |"
+    print(f"\n{head} ten in a row: eager / ours / unplanned / minimal |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        steady = " / ".join(f"{r[f'{k}_steady_host_ms']:.2f}" for k in ("eager", "ours", "minimal"))
+        names = ("eager", "ours", "ours_unplanned", "minimal")
+        steady = " / ".join(f"{r[f'{k}_steady_host_ms']:.2f}" for k in names)
         print(
             f"| {r['N']} × {r['H']} × {r['V']} | {r['eager_host_ms']:.2f} | {r['ours_host_ms']:.2f} | "
+            f"{r['ours_unplanned_host_ms']:.2f} | "
             f"{r['minimal_host_ms']:.2f} | {r['minimal_host_ms'] - r['eager_host_ms']:+.2f} | "
             f"{r['minimal_no_copy_host_ms']:.2f} | {r['minimal_no_check_host_ms']:.2f} | {steady} |"
         )

@@ -66,6 +66,10 @@ class Tuning:
             the GPU computes while the host waits and sets up the chunk loop; ``0`` turns it
             off. Item 37: the wait cost 0.3-0.5 ms a call on an H100 (item 35); 300 GFLOP is
             about 0.5 ms of the GEMM there.
+        call_plans: a forward that runs as one token chunk of every row on the fused logits
+            GEMM takes its chunk loop's decisions once per signature and then issues only its
+            launches (``cross_entropy/one_chunk.py``): the same bits, less host time a call
+            (item 63). ``False``: every call takes them again.
     """
 
     fused_logits: bool = True
@@ -81,8 +85,12 @@ class Tuning:
     skip_ignored_share: float = 0.05
     wait_to_skip_gflop: float = 400.0
     head_start_gflop: float = 300.0
+    call_plans: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tuning.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("row_block", "min_token_chunk_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -48,7 +48,7 @@ from liger_patch.ops.core.kept_rows import (
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows, weighted_total
-from liger_patch.ops.cross_entropy import chunk_plan
+from liger_patch.ops.cross_entropy import chunk_plan, one_chunk
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
@@ -56,7 +56,7 @@ from liger_patch.ops.cross_entropy.chunks import run_chunks
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs, ForwardOutputs, low_rank_needs
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.recompute import budget_bytes
-from liger_patch.ops.cross_entropy.row_io import ClassWeight, RowOutputs
+from liger_patch.ops.cross_entropy.row_io import NO_OUTPUTS, ClassWeight, RowOutputs
 from liger_patch.ops.cross_entropy.rows import z_loss_rows
 
 _F32 = torch.float32
@@ -67,25 +67,26 @@ def _wants_argmax(opts: LossOptions) -> bool:
 
 
 def _forward_call(
-    opts: LossOptions, backend: RowBackend, inputs: HeadInputs, labels: Tensor, needs: list[bool], **records
+    opts: LossOptions, backend: RowBackend, args: ForwardInputs, labels: Tensor, cw: ClassWeight | None
 ) -> ChunkCall:
     """The forward's chunk call before its label check is read: the gradients it computes (those
-    ``needs`` asks for, when ``grads_in_forward``), the per-row outputs asked for, ``records``
-    (class weights, the low-rank term)."""
-    hidden = inputs.hidden
+    ``args.needs`` asks for, when ``grads_in_forward``), the per-row outputs asked for, the class
+    weights ``cw`` and the low-rank term."""
+    hidden, needs = args.hidden, args.needs
     precompute = grads_in_forward(opts.reduction, hidden.dtype, needs)
     outputs = RowOutputs.empty(
         labels.shape[0], hidden.device, _wants_argmax(opts), opts.return_entropy, opts.use_token_scaling
     )
     return ChunkCall(
         backend=backend,
-        inputs=inputs,
+        inputs=HeadInputs(hidden, args.weight, args.bias),
         labels=labels,
         opts=opts,
         budget_bytes=0,  # set once the walked rows are known
         wanted=GradsWanted.of([precompute and n for n in (*needs[:3], *low_rank_needs(needs))]),
         outputs=outputs,
-        **records,
+        class_weight=cw,
+        low_rank=None if args.low_rank_u is None else (args.low_rank_u, args.low_rank_b),
     )
 
 
@@ -119,18 +120,23 @@ def _checked_call(call: ChunkCall, checked: CheckedLabels, head, budget_all: int
     )  # fmt: skip
 
 
-def _losses(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> tuple[Tensor, Tensor]:
+def _losses(
+    opts: LossOptions, token_scale: Tensor | None, res: ChunkResult, checked: CheckedLabels, z_read: bool
+) -> tuple[Tensor, Tensor | None]:
     """The loss and z-loss reduced from the rows' terms (the kernels scaled ce by the token scale
-    already), NaN where the unread check poisons them."""
-    opts, poison = call.opts, checked.poison
+    already), NaN where the unread check poisons them. A z-loss of 0 that nothing reads
+    (``z_read`` false) is ``None``: no launch."""
+    poison = checked.poison
     if opts.z_loss_scale == 0.0 and opts.reduction != "none":  # the common case: fewest launches
         loss = weighted_total(res.ce, checked.row_weight)  # the weights carry the poison
+        if not z_read:
+            return loss, None
         return loss, torch.zeros_like(loss) if poison is None else poison * 0.0
     if opts.z_loss_scale == 0.0:
         loss = reduce_rows(res.ce, opts.reduction, checked.divisor)
         z_loss = torch.zeros_like(loss)
     else:
-        z_rows = z_loss_rows(res.lse, opts, call.outputs.token_scale)
+        z_rows = z_loss_rows(res.lse, opts, token_scale)
         loss = reduce_rows(res.ce + z_rows, opts.reduction, checked.divisor)
         z_loss = reduce_rows(z_rows, opts.reduction, checked.divisor)
     if poison is not None:
@@ -139,18 +145,20 @@ def _losses(call: ChunkCall, res: ChunkResult, checked: CheckedLabels) -> tuple[
 
 
 def _forward_outputs(
-    call: ChunkCall, res: ChunkResult, checked: CheckedLabels, empties: EmptyOutputs
+    opts: LossOptions, outputs: RowOutputs, res: ChunkResult, checked: CheckedLabels, empties: EmptyOutputs
 ) -> ForwardOutputs:
-    """The loss and z-loss, and every output (one of ``empties`` where none)."""
-    outputs = call.outputs
-    loss, z_loss = _losses(call, res, checked)
+    """The loss and z-loss, and every output (``outputs``' per-row ones; one of ``empties`` where
+    none). The eager twin's z-loss is one of them too where the caller does not ask for it
+    (``outputs.pack`` reads it only then); a registered operator's has the loss's shape always."""
+    z_read = opts.return_z_loss or not empties.shared
+    loss, z_loss = _losses(opts, outputs.token_scale, res, checked, z_read)
 
     def given(t: Tensor | None, dtype: torch.dtype = _F32) -> Tensor:  # outputs may not be None
         return t if t is not None else empties(dtype)
 
     return ForwardOutputs(
         loss,
-        z_loss,
+        given(z_loss),
         given(outputs.argmax, torch.int64),
         given(outputs.entropy),
         res.lse,
@@ -206,19 +214,24 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
         NumItems(args.num_items, args.num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
         _gemm_gflop(hidden, weight, opts.reduction, args.needs), backend.label_check,
     )  # fmt: skip
-    low_rank = None if args.low_rank_u is None else (args.low_rank_u, args.low_rank_b)
-    inputs = HeadInputs(hidden, weight, args.bias)
-    call = _forward_call(
-        opts, backend, inputs, pending.labels, args.needs, class_weight=cw, low_rank=low_rank
-    )
-    head, budget_all = None, None
+    call, head, budget_all = None, None, None
     if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
+        call = _forward_call(opts, backend, args, pending.labels, cw)
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
+    key = one_chunk.signature(args, opts, backend) if head is None and checked.kept_rows is None else None
+    plan = one_chunk.planned(key)
+    if isinstance(plan, one_chunk.OneChunk):  # the common small call: its launches alone
+        coef = checked.row_weight if plan.wanted.any() else None
+        res = plan.run(backend, hidden, weight, checked.labels, coef, opts)
+        return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
+    call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
     call = _checked_call(call, checked, head, budget_all)
+    if one_chunk.unseen(plan) and key is not None:
+        one_chunk.learn(key, call)
     with autocast_off(hidden.device.type):
         res = run_chunks(call)
-    return tuple(_forward_outputs(call, res, checked, empties))
+    return tuple(_forward_outputs(opts, call.outputs, res, checked, empties))
 
 
 flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())

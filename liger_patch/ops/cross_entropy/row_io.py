@@ -63,6 +63,10 @@ class RowOutputs:
         return self.argmax is not None or self.entropy is not None or self.token_scale is not None
 
 
+NO_OUTPUTS = RowOutputs()
+"""The record of a call that asks for no per-row output (never written: every field is ``None``)."""
+
+
 @dataclass(frozen=True)
 class ClassWeight:
     """``F.cross_entropy``'s ``weight=``: ``weight`` (V,) fp32 contiguous, ``total`` its sum (0-d

@@ -1,0 +1,165 @@
+"""A forward whose token pass is one chunk of every row, planned once per signature.
+
+Most small calls (RL, DPO, small models: a few thousand tokens) run the token pass as a single
+chunk over every row, with the fused logits GEMM, no bias, class weights, low-rank term or per-row
+outputs. For such a call every decision ``chunks.run_chunks`` takes (the chunk plan and its budget,
+the fused GEMM's applicability, grad_W's buffers, the records each row kernel gets) is the same
+at every call with the same shapes, strides, alignment, dtypes, options and environment, and
+taking them again is most of a small call's host time (docs/perf-notes.md items 52-63).
+
+``OneChunk.of`` takes them once, from the forward's first ``ChunkCall`` of a signature, with the
+chunk loops' own functions (``chunk_plan.plan_for``, ``chunk_plan.fused_backend``, the fused
+GEMM's ``supported``); ``OneChunk.run`` issues only what ``run_chunks`` issues for that call,
+through the same functions in the same order (``gemm``, ``grad_weight_layout``), so its results
+are the same bits. ``signature`` says what a plan depends on; a call that differs in any of it
+(or that walks only its kept rows, or begins its head before the label check) takes
+``run_chunks``. ``Tuning.call_plans`` turns the plans off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from liger_patch import env
+from liger_patch.ops.core.budget import ChunkPlan
+from liger_patch.ops.core.contexts import autocast_off, without_grad
+from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view, mm_into
+from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight, grad_weight_buffers
+from liger_patch.ops.cross_entropy.backends import RowBackend
+from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
+from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for
+from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
+from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.cross_entropy.row_io import RowGrad
+
+_ALIGN = 16  # bytes: the fused GEMM's TMA needs 16-byte aligned bases (``triton/logits.py``)
+_MAX_PLANS = 256
+
+
+def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tuple | None:
+    """Everything a plan depends on, or ``None`` where no plan can serve the call (a bias, class
+    weights, a low-rank term, no rows, plans turned off): the options (with their tuning and
+    budget), the budget's and the interpreter's environment variables as they are now, the
+    backend, the hidden states' and weight's shapes, strides, dtypes, device and base alignment
+    (what the fused GEMM's ``supported`` reads), and which inputs want gradients."""
+    hidden, weight = args.hidden, args.weight
+    if (
+        args.bias is not None
+        or args.class_weight is not None
+        or args.low_rank_u is not None
+        or hidden.shape[0] == 0
+        or not opts.tuning.call_plans
+    ):
+        return None
+    return (
+        args.options,
+        env.memory_budget(),
+        env.triton_interpret(),
+        id(backend),  # the records are cached (``row_backend``): one object per backend
+        hidden.device,
+        hidden.dtype,
+        weight.dtype,
+        tuple(hidden.shape),
+        hidden.stride(),
+        tuple(weight.shape),
+        weight.stride(),
+        hidden.data_ptr() % _ALIGN,
+        weight.data_ptr() % _ALIGN,
+        tuple(args.needs),
+    )
+
+
+@dataclass(frozen=True)
+class OneChunk:
+    """The plan of a signature's calls: the chunk plan (grad_W's buffers follow it), the gradients
+    computed and the logits' dtype."""
+
+    plan: ChunkPlan
+    wanted: GradsWanted
+    logits_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, call: ChunkCall) -> OneChunk | None:
+        """The plan of ``call`` (the forward's, its label check read, walking every row), or
+        ``None`` where ``run_chunks`` would not run it as one chunk on the fused GEMM with no
+        record, cast or copy: then every call of its signature takes ``run_chunks``."""
+        hidden, weight = call.inputs.hidden, call.inputs.weight
+        if (
+            call.row_index is not None
+            or call.head_start is not None
+            or call.lse_in is not None
+            or call.entropy_grad is not None
+            or (call.outputs is not None and call.outputs.any())
+            or not hidden.dtype == weight.dtype == gemm_dtype_for(hidden)
+        ):
+            return None
+        fused = fused_backend(call)
+        tuning = call.opts.tuning
+        if fused is None or not fused.fused_logits.supported(hidden, weight, call.logits_dtype, tuning):
+            return None
+        plan, _ = plan_for(call, call.computes_grads and call.wanted.weight, None)
+        if plan.two_pass or plan.weight_in_grad_weight or plan.rows < hidden.shape[0]:
+            return None
+        wanted = call.wanted if call.computes_grads else GradsWanted()
+        return cls(plan, wanted, call.logits_dtype)
+
+    @without_grad  # gradients are computed by hand here, as in ``run_chunks``
+    def run(
+        self,
+        backend: RowBackend,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        coef: Tensor | None,
+        opts: LossOptions,
+    ) -> ChunkResult:
+        """``run_chunks``' result for a call of this plan's signature (``backend`` is part of it),
+        with these tensors: the checked ``labels`` and, where gradients are computed, ``coef``
+        (each row's weight in the reduced loss) as both coefficients."""
+        wanted = self.wanted
+        grad_hidden = grad_weight = grad_sum = None
+        if wanted.hidden:
+            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        if wanted.weight:
+            grad_weight, grad_sum = grad_weight_buffers(self.plan, weight, hidden.dtype)
+        with autocast_off(hidden.device.type):
+            logits = torch.empty(
+                hidden.shape[0], weight.shape[0], dtype=self.logits_dtype, device=hidden.device
+            )
+            partials = backend.fused_logits.logits_with_partials(hidden, weight, None, opts, logits)
+            g = grad_view(logits, weight.dtype) if wanted.any() else None
+            grad = None if g is None else RowGrad(g, coef, coef)
+            ce, lse = backend.row_kernel(logits, labels, opts, grad=grad, partials=partials)
+            del partials
+            if grad_hidden is not None:
+                mm_into(grad_hidden, g, weight)
+            if wanted.weight:
+                sums = grad_weight if grad_sum is None else grad_sum
+                accumulate_grad_weight(sums, g, hidden, self.plan.overwrite_first)
+        if grad_sum is not None:
+            grad_weight = grad_sum.to(weight.dtype)
+        return ChunkResult(ce, lse, grad_hidden, grad_weight, None)
+
+
+_PLANS: dict[tuple, OneChunk | None] = {}
+_UNSEEN = object()
+
+
+def planned(key: tuple | None) -> OneChunk | None | object:
+    """The plan made for ``key``: a ``OneChunk``, ``None`` (its calls take ``run_chunks``), or
+    ``_UNSEEN`` where none was made yet (``learn`` makes it)."""
+    return _UNSEEN if key is None else _PLANS.get(key, _UNSEEN)
+
+
+def learn(key: tuple, call: ChunkCall) -> None:
+    """Make and keep the plan of ``key``'s calls from ``call``, one of them (``OneChunk.of``)."""
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = OneChunk.of(call)
+
+
+def unseen(found: object) -> bool:
+    return found is _UNSEEN
