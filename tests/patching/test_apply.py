@@ -251,8 +251,11 @@ def _distinct_runs(values: list) -> list:
 
 def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     """apply_liger_to(memory_budget=...) is what the fused loss gets; liger_patched restores the
-    previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time."""
+    previous one; None leaves the choice to LIGER_MEMORY_BUDGET, read at call time. (Without call
+    plans: a planned call, ``ops/cross_entropy/one_chunk.py``, resolves no budget, its plan's is
+    its signature's; tests/ops/cross_entropy/test_one_chunk.py checks that.)"""
     from liger_patch.ops.core import budget
+    from liger_patch.ops.core.tuning import Tuning
 
     seen = []
     real = budget.resolve_budget
@@ -264,7 +267,7 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
     monkeypatch.setattr(budget, "resolve_budget", spy)
     model = tiny_model("llama")
     batch = make_batch()
-    lp.apply_liger_to(model, memory_budget="lean")
+    lp.apply_liger_to(model, memory_budget="lean", tuning=Tuning(call_plans=False))
     reference = model(**batch).loss
     with lp.liger_patched(model, memory_budget=4096):
         torch.testing.assert_close(model(**batch).loss, reference, rtol=1e-6, atol=1e-6)
