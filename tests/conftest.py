@@ -121,6 +121,17 @@ def _restore_environment():
 
 
 @pytest.fixture(autouse=True)
+def _no_call_plan_left():
+    """Each test starts with no call plan (``ops/cross_entropy/one_chunk.py``) made by an earlier
+    one: a planned call skips the chunk loop's decisions, which tests spy on, so a test's first
+    calls must not depend on which tests ran before it on its worker."""
+    plans = sys.modules.get("liger_patch.ops.cross_entropy.one_chunk")
+    if plans is not None:
+        plans.forget()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_label_error_left():
     """A bad label's error that a call on CUDA left for later (``core/deferred_checks.py``) is
     raised in the test that made it, never by a later test's first call."""

@@ -282,13 +282,10 @@ def test_memory_budget_reaches_the_op_and_is_scoped(monkeypatch):
 def test_a_patched_forward_sizes_its_budget_by_the_batch_unless_one_is_named(monkeypatch):
     """With no memory_budget and LIGER_MEMORY_BUDGET unset, the fused loss of a patched forward
     gets "batch" (sized by the hidden states and by one chunk of the call's rows,
-    ops.core.budget.batch_budget); the environment and an explicit option still win. (With no
-    call plan made by an earlier test: a planned call, ``ops/cross_entropy/one_chunk.py``, resolves
-    no budget; each call below has a signature of its own.)"""
+    ops.core.budget.batch_budget); the environment and an explicit option still win. (Each call
+    below has a signature of its own, and tests/conftest.py leaves no call plan from an earlier
+    test: a planned call, ``ops/cross_entropy/one_chunk.py``, resolves no budget.)"""
     from liger_patch.ops.core import budget
-    from liger_patch.ops.cross_entropy import one_chunk
-
-    monkeypatch.setattr(one_chunk, "_PLANS", {})
 
     seen, wholes = [], []
     real = budget.resolve_budget

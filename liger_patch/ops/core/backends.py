@@ -45,7 +45,8 @@ def scale_in_fp32_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
 class FusedLogits:
     """A logits GEMM that leaves per-tile log-sum-exp partials (``triton/logits.py``).
 
-    ``supported(h, w, logits_dtype, tuning)`` says whether it can compute a chunk;
+    ``supported(h, w, logits_dtype, tuning)`` says whether it can compute a chunk (``align``: the
+    bytes to which it needs the operands' bases and row strides aligned);
     ``partial_bytes_per_row(vocab, opts)`` is what its partials add to the chunk's memory;
     ``logits_with_partials(h, w, bias, opts, out, partials=None)`` writes the logits into ``out``
     and returns the partials the row kernel takes as ``partials=`` (written into ``partials``
@@ -56,6 +57,7 @@ class FusedLogits:
     partial_bytes_per_row: Callable[..., int]
     logits_with_partials: Callable[..., tuple]
     new_partials: Callable[..., tuple]
+    align: int
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,11 @@ def _triton() -> Backend:
         name="triton",
         scale_=scale.scale_,
         fused_logits=FusedLogits(
-            logits.supported, logits.partial_bytes_per_row, logits.logits_with_partials, logits.new_partials
+            logits.supported,
+            logits.partial_bytes_per_row,
+            logits.logits_with_partials,
+            logits.new_partials,
+            logits.TMA_ALIGN,
         ),
         unavailable=_triton_unavailable,
         label_check=label_check.label_check,

@@ -91,6 +91,9 @@ class Tuning:
         for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("two_pass", "fp32_grad_weight"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tuning.{name} must be None, True or False, got {getattr(self, name)!r}")
         for name in ("row_block", "min_token_chunk_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -5,14 +5,16 @@ chunk over every row, with the fused logits GEMM, no bias, class weights, low-ra
 outputs. For such a call every decision ``chunks.run_chunks`` takes (the chunk plan and its budget,
 the fused GEMM's applicability, grad_W's buffers, the records each row kernel gets) is the same
 at every call with the same shapes, strides, alignment, dtypes, options and environment, and
-taking them again is most of a small call's host time (docs/perf-notes.md items 52-63).
+taking them again costs a small call 0.1-0.5 ms of host time on an H200 (docs/perf-notes.md
+item 63).
 
-``OneChunk.of`` takes them once, from the forward's first ``ChunkCall`` of a signature, with the
-chunk loops' own functions (``chunk_plan.plan_for``, ``chunk_plan.fused_backend``, the fused
-GEMM's ``supported``); ``OneChunk.run`` issues only what ``run_chunks`` issues for that call,
-through the same functions in the same order (``gemm``, ``grad_weight_layout``), so its results
-are the same bits. ``signature`` says what a plan depends on; a call that differs in any of it
-(or that walks only its kept rows, or begins its head before the label check) takes
+``OneChunk.of`` takes them once, from a ``ChunkCall`` of the forward the second time its
+signature is seen (a token count seen once, as under dynamic padding, costs only the lookup),
+with the chunk loops' own functions (``chunk_plan.plan_for``, ``chunk_plan.fused_backend``, the
+fused GEMM's ``supported``); ``OneChunk.run`` issues only what ``run_chunks`` issues for that
+call, through the same functions in the same order (``gemm``, ``grad_weight_layout``), so its
+results are the same bits. ``signature`` says what a plan depends on; a call that differs in any
+of it (or that walks only its kept rows, or begins its head before the label check) takes
 ``run_chunks``. ``Tuning.call_plans`` turns the plans off.
 """
 
@@ -35,30 +37,32 @@ from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import RowGrad
 
-_ALIGN = 16  # bytes: the fused GEMM's TMA needs 16-byte aligned bases (``triton/logits.py``)
 _MAX_PLANS = 256
 
 
 def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tuple | None:
-    """Everything a plan depends on, or ``None`` where no plan can serve the call (a bias, class
-    weights, a low-rank term, no rows, plans turned off): the options (with their tuning and
-    budget), the budget's and the interpreter's environment variables as they are now, the
-    backend, the hidden states' and weight's shapes, strides, dtypes, device and base alignment
-    (what the fused GEMM's ``supported`` reads), and which inputs want gradients."""
-    hidden, weight = args.hidden, args.weight
+    """Everything a plan depends on, or ``None`` where no plan can serve the call (a backend
+    without a fused logits GEMM or with it turned off, a bias, class weights, a low-rank term, no
+    rows, plans turned off): the options (with their tuning and budget), the budget's and the
+    interpreter's environment variables as they are now, the backend record (``planned`` checks
+    it is the same object), the hidden states' and weight's shapes, strides, dtypes, device and
+    base alignment (what the fused GEMM's ``supported`` reads), and which inputs want gradients."""
+    hidden, weight, fused = args.hidden, args.weight, backend.fused_logits
+    tuning = opts.tuning
     if (
-        args.bias is not None
+        fused is None
+        or not (tuning.call_plans and tuning.fused_logits)
+        or args.bias is not None
         or args.class_weight is not None
         or args.low_rank_u is not None
         or hidden.shape[0] == 0
-        or not opts.tuning.call_plans
     ):
         return None
     return (
         args.options,
         env.memory_budget(),
         env.triton_interpret(),
-        id(backend),  # the records are cached (``row_backend``): one object per backend
+        id(backend),
         hidden.device,
         hidden.dtype,
         weight.dtype,
@@ -66,17 +70,18 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tu
         hidden.stride(),
         tuple(weight.shape),
         weight.stride(),
-        hidden.data_ptr() % _ALIGN,
-        weight.data_ptr() % _ALIGN,
+        hidden.data_ptr() % fused.align,
+        weight.data_ptr() % fused.align,
         tuple(args.needs),
     )
 
 
 @dataclass(frozen=True)
 class OneChunk:
-    """The plan of a signature's calls: the chunk plan (grad_W's buffers follow it), the gradients
-    computed and the logits' dtype."""
+    """The plan of a signature's calls: the backend record it was made for, the chunk plan (grad_W's
+    buffers follow it), the gradients computed and the logits' dtype."""
 
+    backend: RowBackend
     plan: ChunkPlan
     wanted: GradsWanted
     logits_dtype: torch.dtype
@@ -104,22 +109,21 @@ class OneChunk:
         if plan.two_pass or plan.weight_in_grad_weight or plan.rows < hidden.shape[0]:
             return None
         wanted = call.wanted if call.computes_grads else GradsWanted()
-        return cls(plan, wanted, call.logits_dtype)
+        return cls(call.backend, plan, wanted, call.logits_dtype)
 
     @without_grad  # gradients are computed by hand here, as in ``run_chunks``
     def run(
         self,
-        backend: RowBackend,
         hidden: Tensor,
         weight: Tensor,
         labels: Tensor,
         coef: Tensor | None,
         opts: LossOptions,
     ) -> ChunkResult:
-        """``run_chunks``' result for a call of this plan's signature (``backend`` is part of it),
-        with these tensors: the checked ``labels`` and, where gradients are computed, ``coef``
-        (each row's weight in the reduced loss) as both coefficients."""
-        wanted = self.wanted
+        """``run_chunks``' result for a call of this plan's signature, with these tensors: the
+        checked ``labels`` and, where gradients are computed, ``coef`` (each row's weight in the
+        reduced loss) as both coefficients."""
+        backend, wanted = self.backend, self.wanted
         grad_hidden = grad_weight = grad_sum = None
         if wanted.hidden:
             grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
@@ -144,22 +148,36 @@ class OneChunk:
         return ChunkResult(ce, lse, grad_hidden, grad_weight, None)
 
 
-_PLANS: dict[tuple, OneChunk | None] = {}
-_UNSEEN = object()
+_PLANS: dict[tuple, OneChunk | object | None] = {}
+"""signature -> its plan, ``None`` (its calls take ``run_chunks``) or ``_SEEN_ONCE``; the oldest
+entry goes first when full."""
+_SEEN_ONCE, _ABSENT = object(), object()
 
 
-def planned(key: tuple | None) -> OneChunk | None | object:
-    """The plan made for ``key``: a ``OneChunk``, ``None`` (its calls take ``run_chunks``), or
-    ``_UNSEEN`` where none was made yet (``learn`` makes it)."""
-    return _UNSEEN if key is None else _PLANS.get(key, _UNSEEN)
+def planned(key: tuple | None, backend: RowBackend) -> OneChunk | None:
+    """The plan made for ``key``'s calls on ``backend``, or ``None``: no key, no plan made (yet), or
+    one made for another record that had the same ``id`` (a record a test built and dropped)."""
+    found = None if key is None else _PLANS.get(key)
+    return found if isinstance(found, OneChunk) and found.backend is backend else None
 
 
 def learn(key: tuple, call: ChunkCall) -> None:
-    """Make and keep the plan of ``key``'s calls from ``call``, one of them (``OneChunk.of``)."""
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = OneChunk.of(call)
+    """What ``key``'s call ``call`` (one that ``run_chunks`` runs, its label check read) teaches:
+    the first time a signature is seen, only that; the second time, its plan (``OneChunk.of``),
+    so that a signature seen once costs no planning."""
+    found = _PLANS.get(key, _ABSENT)
+    if found is _ABSENT:
+        _keep(key, _SEEN_ONCE)
+    elif found is _SEEN_ONCE:
+        _keep(key, OneChunk.of(call))
 
 
-def unseen(found: object) -> bool:
-    return found is _UNSEEN
+def _keep(key: tuple, value: OneChunk | object | None) -> None:
+    if key not in _PLANS and len(_PLANS) >= _MAX_PLANS:
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = value
+
+
+def forget() -> None:
+    """Drop every plan: each signature is then planned again from its next two calls."""
+    _PLANS.clear()

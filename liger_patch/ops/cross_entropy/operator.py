@@ -220,14 +220,14 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
     key = one_chunk.signature(args, opts, backend) if head is None and checked.kept_rows is None else None
-    plan = one_chunk.planned(key)
-    if isinstance(plan, one_chunk.OneChunk):  # the common small call: its launches alone
+    plan = one_chunk.planned(key, backend)
+    if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
-        res = plan.run(backend, hidden, weight, checked.labels, coef, opts)
+        res = plan.run(hidden, weight, checked.labels, coef, opts)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
     call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
     call = _checked_call(call, checked, head, budget_all)
-    if one_chunk.unseen(plan) and key is not None:
+    if key is not None:
         one_chunk.learn(key, call)
     with autocast_off(hidden.device.type):
         res = run_chunks(call)

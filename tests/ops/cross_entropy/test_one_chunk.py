@@ -1,16 +1,21 @@
 """``one_chunk``: a forward that runs as one token chunk of every row on the fused logits GEMM takes
-its chunk loop's decisions once per signature, and its later calls issue only the launches. Their
-results must be ``run_chunks``' bits (``Tuning(call_plans=False)``), and a call that differs from
-its signature in anything a plan reads (alignment, strides, the budget's environment variable,
-the options) must be planned again or take ``run_chunks``.
+its chunk loop's decisions once per signature (the second time the signature is seen), and its
+later calls issue only the launches. Their results must be ``run_chunks``' bits
+(``Tuning(call_plans=False)``), also with other tensors of the same signature, and a call that
+differs from its signature in anything a plan reads (gradients wanted, shapes, strides,
+alignment, the budget's environment variable, the options) must be planned again or take
+``run_chunks``. (tests/conftest.py starts every test with no plan.)
 
 On the CPU the fused GEMM runs under the interpreter with fp32 inputs (half inputs run fp32 GEMMs
 there: no plan); on CUDA with half inputs. The CPU reads its label check first, so there a call
 that skips its ignored rows takes ``run_chunks``."""
 
+import dataclasses
+
 import pytest
 import torch
 from op_helpers import call_op, make_case, materialize_options, record_calls
+from torch import Tensor
 
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import one_chunk
@@ -56,7 +61,7 @@ def _run(case, ignore_index, plans: bool, **opts):
     loss = outs[0]
     if loss.requires_grad:
         (loss.sum() * 1.3).backward()
-    grads = tuple(t.grad.clone() for t in case.grad_leaves().values())
+    grads = tuple(t.grad.clone() for t in case.grad_leaves().values() if t.grad is not None)
     return tuple(o.detach().clone() for o in outs), grads
 
 
@@ -64,6 +69,26 @@ def _assert_same_bits(a, b) -> None:
     for x, y in zip((*a[0], *a[1]), (*b[0], *b[1]), strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         assert torch.equal(x, y), (x, y)
+
+
+def _planned_thrice(case, ignore_index=-100, **opts):
+    """Three calls with plans on (seen, planned, run by the plan) and one without, all the same
+    bits; the last planned call's results."""
+    unplanned = _run(case, ignore_index, False, **opts)  # also records the shape's ignored share
+    results = [_run(case, ignore_index, True, **opts) for _ in range(3)]
+    for result in results:
+        _assert_same_bits(result, unplanned)
+    return results[-1]
+
+
+def _fresh_values(case, gen) -> None:
+    """New values in the case's tensors (the same tensors: the same signature) and new labels."""
+    with torch.no_grad():
+        for t in case.tensors().values():
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * t.float().std())
+    kept = case.labels != case.ignore_index
+    fresh = torch.randint(0, V, case.labels.shape, generator=gen).to(case.labels.device)
+    case.labels.copy_(torch.where(kept, fresh, case.labels))
 
 
 # Every option with both gradients and a few ignored labels; the plain loss with every subset of
@@ -82,55 +107,64 @@ def test_planned_calls_give_the_chunk_loops_bits(monkeypatch, gen, device, optio
             requires_grad=NEEDS[needs],
         )  # fmt: skip
         opts = materialize_options({k: v for k, v in OPTIONS[option].items() if k != "ignore_index"}, device)
-        unplanned = _run(case, ignore_index, False, **opts)
         runs.clear()
-        first, second = (_run(case, ignore_index, True, **opts) for _ in range(2))
-        _assert_same_bits(first, unplanned)
-        _assert_same_bits(second, unplanned)
-        # The first call of a signature may have been planned by an earlier test: at least the second.
+        _planned_thrice(case, ignore_index, **opts)
         planned = _planned_here(device, dtype, case)
-        assert (len(runs) >= 1) == planned, (dtype, len(runs))
+        assert len(runs) == (1 if planned else 0), (dtype, len(runs))
+        # The plan serves other values and labels of its signature.
+        _fresh_values(case, gen)
+        runs.clear()
+        _assert_same_bits(_run(case, ignore_index, True, **opts), _run(case, ignore_index, False, **opts))
+        assert len(runs) == (1 if planned else 0)
+
+
+def _variant(case, gen, **tensors):
+    """A case with ``case``'s labels and the given tensors (the others ``case``'s)."""
+    other = make_case(gen, (N,), H, V, dtype=case.hidden.dtype, device=case.hidden.device, ignore="none")
+    other.hidden, other.weight, other.labels = case.hidden, case.weight, case.labels
+    for name, t in tensors.items():
+        setattr(other, name, t)
+    return other
+
+
+def _offset_copy(t: Tensor) -> Tensor:
+    """``t``'s values one element off a 16-byte boundary (the fused GEMM refuses such a base)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return storage[1:].view(t.shape).copy_(t.detach()).requires_grad_(t.requires_grad)
 
 
 def test_a_changed_signature_is_planned_again(monkeypatch, gen, device):
-    """Misaligned hidden states, strides of a transposed weight, another budget from the environment,
-    other options: each is a signature of its own, whose calls give ``run_chunks``' bits."""
+    """Gradients wanted, another token count, misaligned or column-major hidden states, a misaligned
+    or transposed weight, another budget from the environment, other options: each is a signature
+    of its own (planned where the fused GEMM takes it), whose calls give ``run_chunks``' bits."""
     dtype = _dtypes(device)[0]
     runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
     chunk_runs = record_calls(monkeypatch, flce_operator, "run_chunks")
     case = make_case(gen, (N,), H, V, dtype=dtype, device=device, ignore="last")
-    planned = _run(case, -100, True), _run(case, -100, True)
-    assert len(runs) >= 1
-    _assert_same_bits(planned[1], _run(case, -100, False))
 
-    # Hidden states one element off a 16-byte boundary: the fused GEMM refuses them.
-    storage = torch.empty(N * H + 1, dtype=dtype, device=device)
-    shifted = storage[1:].view(N, H).copy_(case.hidden.detach()).requires_grad_()
-    moved = make_case(gen, (N,), H, V, dtype=dtype, device=device, ignore="last")
-    moved.hidden, moved.weight, moved.labels = shifted, case.weight, case.labels
-    runs.clear()
-    chunk_runs.clear()
-    first, again = _run(moved, -100, True), _run(moved, -100, True)
-    assert not runs and len(chunk_runs) == 2
-    _assert_same_bits(first, again)
-    _assert_same_bits(again, _run(moved, -100, False))
+    def check(variant, planned_runs: int) -> None:
+        """Three planned calls of ``variant``: its plan ran ``planned_runs`` times (1: made by the
+        second, run by the third; 3: made before)."""
+        runs.clear()
+        _planned_thrice(variant)
+        assert len(runs) == planned_runs
 
-    # A weight that is a transposed view: its strides are part of the signature.
-    w_t = case.weight.detach().t().contiguous().t().requires_grad_()
-    strided = make_case(gen, (N,), H, V, dtype=dtype, device=device, ignore="last")
-    strided.hidden, strided.weight, strided.labels = case.hidden, w_t, case.labels
-    runs.clear()
-    _assert_same_bits(_run(strided, -100, True), _run(strided, -100, False))
-    _assert_same_bits(_run(strided, -100, True), _run(strided, -100, False))
-    assert not runs  # its rows are not unit-strided: the fused GEMM refuses it
+    check(case, 1)
+    with torch.no_grad():  # no gradient wanted: a signature of its own
+        check(case, 1)
+    check(case, 3)  # the plan with gradients, made above
+    check(make_case(gen, (N + 8,), H, V, dtype=dtype, device=device, ignore="last"), 1)
+    check(_variant(case, gen, hidden=_offset_copy(case.hidden)), 0)
+    column_major = case.hidden.detach().t().contiguous().t().requires_grad_()
+    check(_variant(case, gen, hidden=column_major), 0)
+    check(_variant(case, gen, weight=_offset_copy(case.weight)), 0)
+    check(_variant(case, gen, weight=case.weight.detach().t().contiguous().t().requires_grad_()), 0)
 
     # A budget of a few logits rows from the environment: several chunks, so no plan.
     monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(8 * V * 4 + 40 * N + (2 << 20)))
-    runs.clear()
     chunk_runs.clear()
-    budgeted = _run(case, -100, True), _run(case, -100, True)
-    assert not runs and len(chunk_runs) == 2
-    _assert_same_bits(budgeted[1], _run(case, -100, False))
+    check(case, 0)
+    assert len(chunk_runs) == 4
     monkeypatch.delenv("LIGER_MEMORY_BUDGET")
     runs.clear()
     _run(case, -100, True)
@@ -138,10 +172,26 @@ def test_a_changed_signature_is_planned_again(monkeypatch, gen, device):
 
     # Options of their own: chunks of 8 rows.
     runs.clear()
-    chunk_runs.clear()
-    tuned = call_op(case, tuning=Tuning(chunk_rows=8))
-    tuned.backward()
-    assert not runs and len(chunk_runs) == 1
+    for _ in range(3):
+        call_op(case, tuning=Tuning(chunk_rows=8)).backward()
+    assert not runs
+
+
+def test_a_signature_seen_once_is_not_planned_and_the_oldest_go_first(gen, device):
+    """Token counts that change at every call (dynamic padding) cost no planning, and the plans
+    kept are bounded."""
+    dtype = _dtypes(device)[0]
+    for n in (5, 6, 7):
+        case = make_case(gen, (n,), H, V, dtype=dtype, device=device, ignore="none")
+        _run(case, -100, False)  # records the shape's ignored share (unknown: the CPU expects to skip)
+        _run(case, -100, True)
+    assert all(p is one_chunk._SEEN_ONCE for p in one_chunk._PLANS.values())
+    first = next(iter(one_chunk._PLANS))
+    for i in range(one_chunk._MAX_PLANS):
+        one_chunk._keep(("another signature", i), None)
+    assert len(one_chunk._PLANS) == one_chunk._MAX_PLANS and first not in one_chunk._PLANS
+    one_chunk.forget()
+    assert not one_chunk._PLANS
 
 
 def test_no_plan_for_bias_class_weights_low_rank_or_no_rows(gen, device):
@@ -168,6 +218,25 @@ def test_no_plan_for_bias_class_weights_low_rank_or_no_rows(gen, device):
     assert one_chunk.signature(inputs(options=off.key), off, backend) is None
 
 
-def test_call_plans_must_be_a_bool():
-    with pytest.raises(ValueError, match="call_plans must be True or False"):
-        Tuning(call_plans=1)
+@pytest.mark.parametrize("name", ["fused_logits", "reverse_pass2", "balanced_chunks", "call_plans"])
+def test_switches_must_be_bools(name):
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        Tuning(**{name: 1})
+
+
+@pytest.mark.parametrize("name", ["two_pass", "fp32_grad_weight"])
+def test_optional_switches_must_be_none_or_bools(name):
+    assert getattr(Tuning(**{name: None}), name) is None
+    with pytest.raises(ValueError, match=f"{name} must be None, True or False"):
+        Tuning(**{name: "yes"})
+
+
+def test_a_plan_serves_only_the_backend_record_it_was_made_for(gen, device):
+    """The signature holds the record's ``id``; a record built and dropped (as tests do) may leave
+    its ``id`` to another, which must not get the first one's plan."""
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="none")
+    _planned_thrice(case)
+    key, plan = next((k, p) for k, p in one_chunk._PLANS.items() if isinstance(p, one_chunk.OneChunk))
+    assert one_chunk.planned(key, plan.backend) is plan
+    assert one_chunk.planned(key, dataclasses.replace(plan.backend)) is None
+    assert one_chunk.planned(None, plan.backend) is None

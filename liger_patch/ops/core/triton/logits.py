@@ -32,7 +32,8 @@ from liger_patch.ops.core.tuning import Tuning
 Partials = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """(pmax, psum, pz): ``logits_with_partials``' per-tile maxima, sums and (smoothing) logit sums."""
 
-_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and row strides
+TMA_ALIGN = 16
+"""Bytes: TMA needs the operands' bases and row strides aligned to this (``supported``)."""
 
 # On CUDA the tiles (BM, BN, BK, stages, warps) are the call's ``Tuning.logits_tiles``.
 # Small tiles under the interpreter, so that test shapes span several tiles in both directions.
@@ -145,8 +146,8 @@ def _aligned(t: torch.Tensor) -> bool:
     return (
         t.stride(-1) == 1
         and t.stride(0) >= t.shape[1]
-        and t.data_ptr() % _ALIGN == 0
-        and (t.stride(0) * size) % _ALIGN == 0
+        and t.data_ptr() % TMA_ALIGN == 0
+        and (t.stride(0) * size) % TMA_ALIGN == 0
     )
 
 
@@ -157,7 +158,7 @@ def supported(h: torch.Tensor, w: torch.Tensor, logits_dtype: torch.dtype, tunin
     tile does not fit in shared memory next to the operand stages)."""
     if not tuning.fused_logits or _tensor_descriptor() is None or h.dtype != w.dtype or h.shape[1] == 0:
         return False
-    if (w.shape[0] * logits_dtype.itemsize) % _ALIGN:
+    if (w.shape[0] * logits_dtype.itemsize) % TMA_ALIGN:
         return False
     if not (_aligned(h) and _aligned(w)):
         return False
