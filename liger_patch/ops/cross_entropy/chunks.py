@@ -30,13 +30,17 @@ import torch
 from liger_patch.ops.core import head_start
 from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.gemm import grad_view
+from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.grad_weight_layout import (
     buffer_in,
     widen_in_place,
 )
 from liger_patch.ops.core.walked_rows import Chunk
+from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult
+from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.pass_state import PassState, pass_state
+from liger_patch.ops.cross_entropy.row_io import NO_RECORDS, ChunkRecords, GivenLse, RowGrad
 from liger_patch.ops.cross_entropy.vocab_pass import vocab_pass
 
 
@@ -92,26 +96,51 @@ def _token_pass(state: PassState) -> None:
         if u is not None:
             state.low_rank.add_to(logits, u)
         g = grad_view(logits, w.dtype) if state.token_grads else None
-        ce_c, lse_c = call.backend.row_kernel(
-            logits,
-            chunk.rows(state.labels),
-            call.opts,
-            grad=state.grad_of(chunk, g),
-            given=state.given_of(chunk),
-            records=state.rows.for_chunk(chunk),
-            **({} if partials is None else {"partials": partials}),
-        )
+        ce_c, lse_c = token_chunk(
+            call.backend, call.opts, logits, chunk.rows(state.labels), state.grad_of(chunk, g),
+            None if g is None else state.grads, chunk, h, w,
+            given=state.given_of(chunk), records=state.rows.for_chunk(chunk), partials=partials,
+            weight_too=not state.plan.two_pass,
+        )  # fmt: skip
         del partials  # now, not when the next chunk's are already allocated
         ces.append(ce_c)
         lses.append(lse_c)
         if g is None:
             continue
-        state.grads.add(chunk, g, h, w, weight_too=not state.plan.two_pass)
         if u is not None and state.low_rank.wants_grads:
             state.low_rank.chunk_grads(chunk, u, g)
         del logits, g
     if call.lse_in is None and ces:
         _set_losses(res, ces, lses, state.rows.index)
+
+
+def token_chunk(
+    backend: RowBackend,
+    opts: LossOptions,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    grad: RowGrad | None,
+    grads: GradSums | None,
+    chunk: Chunk,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    partials: tuple | None = None,
+    given: GivenLse | None = None,
+    records: ChunkRecords = NO_RECORDS,
+    weight_too: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token chunk once its logits (and the fused GEMM's ``partials``) are computed: the row
+    kernel, which gives the chunk's ce and lse and, where ``grad`` says, writes d(loss)/d(logits)
+    into ``grad.out``; then that gradient's share of grad_h, grad_W and grad_b, added to
+    ``grads`` (``GradSums.add``, with the hidden rows ``h`` and weight ``w`` as the GEMMs read
+    them; nothing where ``grads`` is ``None``). The body of the chunk loop and of a call plan
+    (``one_chunk``): one home for both."""
+    extra = {} if partials is None else {"partials": partials}
+    ce, lse = backend.row_kernel(logits, labels, opts, grad=grad, given=given, records=records, **extra)
+    if grads is not None:
+        grads.add(chunk, grad.out, h, w, weight_too=weight_too)
+    return ce, lse
 
 
 def _set_losses(res: ChunkResult, ces: list, lses: list, index: torch.Tensor | None) -> None:

@@ -12,10 +12,10 @@ item 63).
 signature is seen (a token count seen once, as under dynamic padding, costs only the lookup),
 with the chunk loops' own functions (``chunk_plan.plan_for``, ``chunk_plan.fused_backend``, the
 fused GEMM's ``supported``); ``OneChunk.run`` issues only what ``run_chunks`` issues for that
-call, through the same functions in the same order (``gemm``, ``grad_weight_layout``), so its
-results are the same bits. ``signature`` says what a plan depends on; a call that differs in any
-of it (or that walks only its kept rows, or begins its head before the label check) takes
-``run_chunks``. ``Tuning.call_plans`` turns the plans off.
+call: the fused logits GEMM, then the chunk loop's own body (``chunks.token_chunk``: the row
+kernel, grad_h and grad_W), so its results are the same bits. ``signature`` says what a plan
+depends on; a call that differs in any of it (or that walks only its kept rows, or begins its
+head before the label check) takes ``run_chunks``. ``Tuning.call_plans`` turns the plans off.
 """
 
 from __future__ import annotations
@@ -28,11 +28,14 @@ from torch import Tensor
 from liger_patch import env
 from liger_patch.ops.core.budget import ChunkPlan
 from liger_patch.ops.core.contexts import autocast_off, without_grad
-from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view, mm_into
-from liger_patch.ops.core.grad_weight_layout import accumulate_grad_weight, grad_weight_buffers
+from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
+from liger_patch.ops.core.grad_sums import GradSums
+from liger_patch.ops.core.grad_weight_layout import grad_weight_buffers
+from liger_patch.ops.core.walked_rows import Chunk
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
 from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for
+from liger_patch.ops.cross_entropy.chunks import token_chunk
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import RowGrad
@@ -134,15 +137,16 @@ class OneChunk:
                 hidden.shape[0], weight.shape[0], dtype=self.logits_dtype, device=hidden.device
             )
             partials = backend.fused_logits.logits_with_partials(hidden, weight, None, opts, logits)
-            g = grad_view(logits, weight.dtype) if wanted.any() else None
-            grad = None if g is None else RowGrad(g, coef, coef)
-            ce, lse = backend.row_kernel(logits, labels, opts, grad=grad, partials=partials)
-            del partials
-            if grad_hidden is not None:
-                mm_into(grad_hidden, g, weight)
-            if wanted.weight:
+            grad = grads = None
+            if wanted.any():
+                grad = RowGrad(grad_view(logits, weight.dtype), coef, coef)
                 sums = grad_weight if grad_sum is None else grad_sum
-                accumulate_grad_weight(sums, g, hidden, self.plan.overwrite_first)
+                grads = GradSums(grad_hidden, sums, None, self.plan.overwrite_first)
+            ce, lse = token_chunk(
+                backend, opts, logits, labels, grad, grads, Chunk(0, hidden.shape[0]), hidden, weight,
+                partials=partials,
+            )  # fmt: skip
+            del logits, partials, grad, grads  # before grad_W is made from its sum, as run_chunks
         if grad_sum is not None:
             grad_weight = grad_sum.to(weight.dtype)
         return ChunkResult(ce, lse, grad_hidden, grad_weight, None)
