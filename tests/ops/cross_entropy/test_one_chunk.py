@@ -85,7 +85,8 @@ def _fresh_values(case, gen) -> None:
     """New values in the case's tensors (the same tensors: the same signature) and new labels."""
     with torch.no_grad():
         for t in case.tensors().values():
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * t.float().std())
+            fresh = torch.randn(t.shape, generator=gen).to(t.device) * t.float().std()
+            t.copy_(fresh.to(t.dtype))
     kept = case.labels != case.ignore_index
     fresh = torch.randint(0, V, case.labels.shape, generator=gen).to(case.labels.device)
     case.labels.copy_(torch.where(kept, fresh, case.labels))
