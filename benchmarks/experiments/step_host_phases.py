@@ -1,0 +1,127 @@
+"""Probe: where a host-bound patched training step spends the host time the unpatched one does not
+(issue 43, target 3).
+
+``host_bound.py``'s step rows put Qwen2.5-0.5B-shaped steps at 1.01-1.11x unpatched at 256-4,096
+tokens while Llama-3.2-1B-shaped ones were at 0.88-0.99x. One steady step is split into phases
+timed on the host with no synchronisation inside the step (the forward, ``loss.backward()``, the
+optimizer's step with ``zero_grad``), then synchronised: the host ms of each phase, the step's
+wall ms, and the ms the host waited at the end for the GPU (wall minus the phases). A step whose
+final wait is near zero is bound by the host: its wall time is the sum of its phases. Then one
+step per variant under ``torch.profiler``: the GPU's busy ms (kernels summed), the host's waits
+inside CUDA calls, and the kernel count.
+
+Per model (``--models``, ``host_bound``'s names) and token count (``--tokens``, a quarter of
+each sequence ignored): ``--rounds`` rounds of ``--steps`` timed steps per variant (after
+``--warmup``, and one untimed step at each switch), the variants' order reversed every other
+round; medians per variant and phase.
+
+    cd benchmarks && python experiments/step_host_phases.py --out experiments/results/step_host_phases.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from common import environment, need_cuda, profiled_step, write_json  # noqa: E402
+from host_bound import GPU_PLAN, LR, build_model, make_batch, ours_applied  # noqa: E402
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _phased_step(model, opt, batch) -> dict[str, float]:
+    """One step from a synchronised start: each phase's host ms, the wall ms, the final wait."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model(**batch)
+    t1 = time.perf_counter()
+    out.loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    ms = [1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))]
+    return dict(zip((*PHASES, "final_wait", "wall"), ms, strict=True))
+
+
+def _step(model, opt, batch) -> None:
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _row(model, opt, tokens: int, ignored: float, args) -> dict:
+    batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
+    kinds = {"unpatched": None, "patched": ours_applied}
+    steps: dict[str, list[dict]] = {k: [] for k in kinds}
+
+    def entered(kind):
+        return kinds[kind](model) if kinds[kind] else contextlib.nullcontext()
+
+    for kind in kinds:
+        with entered(kind):
+            for _ in range(args.warmup):
+                _phased_step(model, opt, batch)
+    for r in range(args.rounds):
+        for kind in kinds if r % 2 == 0 else reversed(list(kinds)):
+            with entered(kind):
+                _phased_step(model, opt, batch)  # untimed: the first step after a patch or revert
+                steps[kind].extend(_phased_step(model, opt, batch) for _ in range(args.steps))
+    row = {"tokens": tokens, "ignored": ignored}
+    for kind, done in steps.items():
+        row[kind] = {key: statistics.median(s[key] for s in done) for key in done[0]}
+        with entered(kind):
+            found = profiled_step(lambda: _step(model, opt, batch))
+        row[kind]["profiled"] = {
+            "wall_ms": found["wall_ms"],
+            "gpu_busy_ms": sum(found["kernel_ms"].values()),
+            "host_wait_ms": dict(found["host_wait_ms"]),
+            "kernels": found["kernels"],
+        }
+    row["patched_minus_unpatched_ms"] = {
+        key: row["patched"][key] - row["unpatched"][key] for key in (*PHASES, "final_wait", "wall")
+    }
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.2-1b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[256, 1024, 4096])
+    parser.add_argument("--ignored", type=float, default=0.25)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--commit", default=None, help="the tree's commit, recorded in the JSON")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not need_cuda(__file__):
+        return 2
+    rows = []
+    for name in args.models:
+        family, config = GPU_PLAN.models[name]
+        model = build_model(family, config, GPU_PLAN)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        for tokens in args.tokens:
+            rows.append({"model": name, **_row(model, opt, tokens, args.ignored, args)})
+            print(rows[-1], flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    if args.out:
+        write_json(args.out, {**environment("transformers"), "commit": args.commit, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
