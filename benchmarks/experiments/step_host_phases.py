@@ -8,7 +8,9 @@ optimizer's step with ``zero_grad``), then synchronised: the host ms of each pha
 wall ms, and the ms the host waited at the end for the GPU (wall minus the phases). A step whose
 final wait is near zero is bound by the host: its wall time is the sum of its phases. Then one
 step per variant under ``torch.profiler``: the GPU's busy ms (kernels summed), the host's waits
-inside CUDA calls, and the kernel count.
+inside CUDA calls, and the kernel count; and one more with the host's events only: their self ms
+summed, and the events (aten operators, CUDA runtime calls) whose self ms differ most between
+the variants.
 
 Per model (``--models``, ``host_bound``'s names) and token count (``--tokens``, a quarter of
 each sequence ignored): ``--rounds`` rounds of ``--steps`` timed steps per variant (after
@@ -21,6 +23,7 @@ round; medians per variant and phase.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import statistics
 import sys
@@ -59,6 +62,27 @@ def _step(model, opt, batch) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def _host_self_ms(model, opt, batch) -> collections.Counter:
+    """One step under ``torch.profiler``: each host event's self ms summed by name (aten
+    operators, CUDA runtime calls such as ``cudaMalloc``, ``cudaFree``, launches)."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:  # CUDA: the runtime calls too
+        _step(model, opt, batch)
+        torch.cuda.synchronize()
+    found: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            found[event.name[:80]] += event.self_cpu_time_total / 1e3
+    return found
+
+
+def _largest_differences(before: collections.Counter, after: collections.Counter, top: int = 15) -> dict:
+    """The ``top`` host events whose summed self ms differ most, after minus before."""
+    diff = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in set(before) | set(after)}
+    return {name: round(ms, 3) for name, ms in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]}
+
+
 def _row(model, opt, tokens: int, ignored: float, args) -> dict:
     batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
     kinds = {"unpatched": None, "patched": ours_applied}
@@ -87,6 +111,12 @@ def _row(model, opt, tokens: int, ignored: float, args) -> dict:
             "host_wait_ms": dict(found["host_wait_ms"]),
             "kernels": found["kernels"],
         }
+    host = {}
+    for kind in kinds:
+        with entered(kind):
+            host[kind] = _host_self_ms(model, opt, batch)
+    row["host_self_ms"] = {kind: round(sum(found.values()), 3) for kind, found in host.items()}
+    row["host_self_ms_largest_differences"] = _largest_differences(host["unpatched"], host["patched"])
     row["patched_minus_unpatched_ms"] = {
         key: row["patched"][key] - row["unpatched"][key] for key in (*PHASES, "final_wait", "wall")
     }
