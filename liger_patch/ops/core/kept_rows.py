@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import deferred_checks, host_slots, validation
+from liger_patch.ops.core import deferred_checks, validation
 from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, mean_divisor, row_weights
 from liger_patch.ops.core.tuning import Tuning
 
@@ -58,7 +58,6 @@ class FusedCheck(Protocol):
         reduction: str,
         num_items: Tensor | None,
         num_items_value: float | None,
-        stats: Tensor | None = None,
     ) -> FusedLabels: ...
 
 
@@ -173,21 +172,13 @@ def _begin_fused(
     work_gflop: float,
 ) -> PendingLabels:
     """``begin_label_check`` by the backend's one-launch check: the divisor is its device scalar
-    unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number). On CUDA the
-    check writes its answer straight into a pinned ``host_slots`` slot, with an event after it (no
-    copy), unless none is free or a graph is being captured (no check then)."""
-    captured = capturing(labels)
-    lease = None if captured or not labels.is_cuda else host_slots.take(4)
-    stats = None if lease is None else lease.values  # the kernel writes its answer to the host
-    done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value, stats)
+    unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number)."""
+    done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value)
     what = mean_divisor(reduction, num_items.tensor, num_items.value)
     divisor = done.divisor if what.on_device else what.fixed
     user_divisor = done.divisor if num_items.tensor is not None else None
     started = None
-    if lease is not None:
-        lease.ready.record()
-        started = validation.ValueCheck(labels, vocab, ignore_index, user_divisor, stats, lease.ready, lease)
-    elif not captured:
+    if not capturing(labels):
         started = validation.check_from_stats(labels, vocab, ignore_index, user_divisor, done.stats)
     return PendingLabels(
         labels, vocab, ignore_index, reduction, None, num_items, divisor, started, shape_key, work_gflop,

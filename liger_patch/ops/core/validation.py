@@ -170,7 +170,6 @@ class ValueCheck(NamedTuple):
     divisor: torch.Tensor | None
     host: torch.Tensor | None  # (n_kept, low, high[, bad divisor]) on the host, once ``ready``
     ready: torch.cuda.Event | None  # None: ``host`` was filled synchronously (CPU, or no labels)
-    lease: object | None = None  # the ``host_slots.Lease`` whose slot ``host`` is, held until read
 
     def is_ready(self) -> bool:
         """Whether ``result`` can be read without waiting for the GPU."""

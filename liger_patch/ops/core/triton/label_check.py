@@ -101,19 +101,15 @@ def label_check(
     reduction: str,
     num_items: torch.Tensor | None = None,
     num_items_value: float | None = None,
-    stats: torch.Tensor | None = None,
 ) -> LabelCheck:
     """The label bookkeeping of a forward over ``labels`` (N,) int64, contiguous: reduction "mean"
     divides by ``num_items`` (a 1-element tensor) or ``num_items_value`` when given (0 read as 1),
-    else by the kept count; "sum" and "none" weigh kept rows 1. One launch. ``stats``: where the
-    four statistics go (4 contiguous int64, on the device or pinned on the host: ``host_slots``),
-    else a new device tensor."""
+    else by the kept count; "sum" and "none" weigh kept rows 1. One launch."""
     divisor = mean_divisor(reduction, num_items, num_items_value)
     n, device = labels.shape[0], labels.device
     safe = torch.empty_like(labels)
     row_weight = torch.empty(n, dtype=torch.float32, device=device)
-    if stats is None:
-        stats = torch.empty(4, dtype=torch.int64, device=device)
+    stats = torch.empty(4, dtype=torch.int64, device=device)
     scalars = torch.empty(2, dtype=torch.float32, device=device)
     items = scalars  # not read unless num_items is given
     if num_items is not None:  # a CPU tensor too: its pageable copy is staged at once, no wait
