@@ -1,16 +1,16 @@
 """Probe: where a host-bound patched training step spends the host time the unpatched one does not
 (issue 43, target 3).
 
-``host_bound.py``'s step rows put Qwen2.5-0.5B-shaped steps at 1.01-1.11x unpatched at 256-4,096
-tokens while Llama-3.2-1B-shaped ones were at 0.88-0.99x. One steady step is split into phases
+``host_bound.py``'s step rows put Qwen2.5-0.5B-shaped steps at 1.01-1.10x unpatched at 256-4,096
+tokens while Llama-3.2-1B-shaped ones were at 0.88-0.99x (at 5aa9d5c). One steady step is split into phases
 timed on the host with no synchronisation inside the step (the forward, ``loss.backward()``, the
 optimizer's step with ``zero_grad``), then synchronised: the host ms of each phase, the step's
 wall ms, and the ms the host waited at the end for the GPU (wall minus the phases). A step whose
-final wait is near zero is bound by the host: its wall time is the sum of its phases. Then one
-step per variant under ``torch.profiler``: the GPU's busy ms (kernels summed), the host's waits
-inside CUDA calls, and the kernel count; and one more with the host's events only: their self ms
-summed, and the events (aten operators, CUDA runtime calls) whose self ms differ most between
-the variants.
+final wait is near zero is bound by the host: its wall time is the sum of its phases. Then, per
+variant and after an untimed step in it, one step under ``torch.profiler``: the GPU's busy ms
+(kernels summed), the host's waits inside CUDA calls, and the kernel count; and one more with
+the host's events: their self ms summed, and the events (aten operators, CUDA runtime calls)
+whose self ms differ most between the variants.
 
 Per model (``--models``, ``host_bound``'s names) and token count (``--tokens``, a quarter of
 each sequence ignored): ``--rounds`` rounds of ``--steps`` timed steps per variant (after
@@ -28,6 +28,7 @@ import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,6 +58,7 @@ def _phased_step(model, opt, batch) -> dict[str, float]:
 
 
 def _step(model, opt, batch) -> None:
+    """One training step with no timing and no synchronisation."""
     model(**batch).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -83,38 +85,59 @@ def _largest_differences(before: collections.Counter, after: collections.Counter
     return {name: round(ms, 3) for name, ms in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]}
 
 
-def _row(model, opt, tokens: int, ignored: float, args) -> dict:
-    batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
-    kinds = {"unpatched": None, "patched": ours_applied}
-    steps: dict[str, list[dict]] = {k: [] for k in kinds}
+def _variants(model) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """The two variants, each a context in which the model is that one."""
+    return {"unpatched": contextlib.nullcontext, "patched": lambda: ours_applied(model)}
 
-    def entered(kind):
-        return kinds[kind](model) if kinds[kind] else contextlib.nullcontext()
 
-    for kind in kinds:
-        with entered(kind):
+def _timed(model, opt, batch, args) -> dict[str, list[dict]]:
+    """Every variant warmed up, then ``args.rounds`` rounds of ``args.steps`` phased steps each,
+    the order reversed every other round, the first step after each switch untimed."""
+    variants = _variants(model)
+    steps: dict[str, list[dict]] = {kind: [] for kind in variants}
+    for enter in variants.values():
+        with enter():
             for _ in range(args.warmup):
                 _phased_step(model, opt, batch)
     for r in range(args.rounds):
-        for kind in kinds if r % 2 == 0 else reversed(list(kinds)):
-            with entered(kind):
+        for kind in variants if r % 2 == 0 else reversed(list(variants)):
+            with variants[kind]():
                 _phased_step(model, opt, batch)  # untimed: the first step after a patch or revert
                 steps[kind].extend(_phased_step(model, opt, batch) for _ in range(args.steps))
-    row = {"tokens": tokens, "ignored": ignored}
+    return steps
+
+
+def _profiled(model, opt, batch) -> dict[str, dict]:
+    """Per variant, after an untimed step in it: one step under the profiler (wall, GPU busy ms,
+    the host's waits, kernels), then one with the host's events (``_host_self_ms``)."""
+    found = {}
+    for kind, enter in _variants(model).items():
+        with enter():
+            _step(model, opt, batch)  # not the first step after a patch or revert
+            step = profiled_step(lambda: _step(model, opt, batch))
+            found[kind] = {
+                "profiled": {
+                    "wall_ms": step["wall_ms"],
+                    "gpu_busy_ms": sum(step["kernel_ms"].values()),
+                    "host_wait_ms": dict(step["host_wait_ms"]),
+                    "kernels": step["kernels"],
+                },
+                "host_events": _host_self_ms(model, opt, batch),
+            }
+    return found
+
+
+def _row(model, opt, tokens: int, ignored: float, args) -> dict:
+    """One model and token count: each variant's median phases and wall, its profiled step, the
+    host events' largest differences, and patched minus unpatched for each phase."""
+    batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
+    steps = _timed(model, opt, batch, args)
+    profiled = _profiled(model, opt, batch)
+    row: dict = {"tokens": tokens, "ignored": ignored}
     for kind, done in steps.items():
         row[kind] = {key: statistics.median(s[key] for s in done) for key in done[0]}
-        with entered(kind):
-            found = profiled_step(lambda: _step(model, opt, batch))
-        row[kind]["profiled"] = {
-            "wall_ms": found["wall_ms"],
-            "gpu_busy_ms": sum(found["kernel_ms"].values()),
-            "host_wait_ms": dict(found["host_wait_ms"]),
-            "kernels": found["kernels"],
-        }
-    host = {}
-    for kind in kinds:
-        with entered(kind):
-            host[kind] = _host_self_ms(model, opt, batch)
+        row[kind]["profiled"] = profiled[kind]["profiled"]
+    host = {kind: found["host_events"] for kind, found in profiled.items()}
     row["host_self_ms"] = {kind: round(sum(found.values()), 3) for kind, found in host.items()}
     row["host_self_ms_largest_differences"] = _largest_differences(host["unpatched"], host["patched"])
     row["patched_minus_unpatched_ms"] = {
