@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from common import environment, need_cuda, profiled_step, write_json  # noqa: E402
-from host_bound import GPU_PLAN, LR, build_model, make_batch, ours_applied  # noqa: E402
+from host_bound import GPU_PLAN, LR, build_model, make_batch, ours_applied, train_step  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -57,20 +57,13 @@ def _phased_step(model, opt, batch) -> dict[str, float]:
     return dict(zip((*PHASES, "final_wait", "wall"), ms, strict=True))
 
 
-def _step(model, opt, batch) -> None:
-    """One training step with no timing and no synchronisation."""
-    model(**batch).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
 def _host_self_ms(model, opt, batch) -> collections.Counter:
     """One step under ``torch.profiler``: each host event's self ms summed by name (aten
     operators, CUDA runtime calls such as ``cudaMalloc``, ``cudaFree``, launches)."""
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:  # CUDA: the runtime calls too
-        _step(model, opt, batch)
+        train_step(model, opt, batch)
         torch.cuda.synchronize()
     found: collections.Counter = collections.Counter()
     for event in prof.events():
@@ -113,8 +106,8 @@ def _profiled(model, opt, batch) -> dict[str, dict]:
     found = {}
     for kind, enter in _variants(model).items():
         with enter():
-            _step(model, opt, batch)  # not the first step after a patch or revert
-            step = profiled_step(lambda: _step(model, opt, batch))
+            train_step(model, opt, batch)  # not the first step after a patch or revert
+            step = profiled_step(lambda: train_step(model, opt, batch))
             found[kind] = {
                 "profiled": {
                     "wall_ms": step["wall_ms"],
