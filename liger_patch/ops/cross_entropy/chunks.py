@@ -25,6 +25,8 @@ The GEMMs and their dtypes are ``gemm``'s; where grad_W is summed and what borro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from liger_patch.ops.core import head_start
@@ -70,14 +72,31 @@ def run_chunks(call: ChunkCall) -> ChunkResult:
     return res
 
 
-def _chunk_logits(state: PassState, chunk: Chunk, h: torch.Tensor, scratch: torch.Tensor | None):
+@dataclass
+class ChunkLogits:
+    """A token chunk's logits and the fused GEMM's log-sum-exp partials (``None`` from cuBLAS).
+    ``token_chunk`` takes the partials out for its row kernel, so that nothing holds them through
+    the chunk's gradient GEMMs (docs/perf-notes.md item 21)."""
+
+    logits: torch.Tensor
+    partials: tuple | None
+
+    def take_partials(self) -> tuple | None:
+        """The partials, no longer held here."""
+        partials, self.partials = self.partials, None
+        return partials
+
+
+def _chunk_logits(
+    state: PassState, chunk: Chunk, h: torch.Tensor, scratch: torch.Tensor | None
+) -> ChunkLogits:
     """The chunk's logits and partials: finished from the head start for the first chunk, else
     computed (into grad_W's bytes on the two-pass path: ``plan.logits_in_grad_weight``)."""
     gemm = state.gemm
     if state.head is not None and chunk.start == 0:
-        return head_start.finish(state.head, gemm, h)
+        return ChunkLogits(*head_start.finish(state.head, gemm, h))
     out = None if scratch is None else buffer_in(scratch, h.shape[0], gemm.w.shape[0], gemm.logits_dtype)
-    return gemm.logits(h, out)
+    return ChunkLogits(*gemm.logits(h, out))
 
 
 def _token_pass(state: PassState) -> None:
@@ -91,25 +110,25 @@ def _token_pass(state: PassState) -> None:
     ces, lses = [], []
     for chunk in state.rows.chunks(call.inputs.hidden.shape[0], state.plan.rows):
         h = chunk.take(call.inputs.hidden).to(w.dtype)
-        logits, partials = _chunk_logits(state, chunk, h, scratch)
+        made = _chunk_logits(state, chunk, h, scratch)
+        logits = made.logits
         u = None if state.low_rank is None else state.low_rank.rows(chunk)
         if u is not None:
             state.low_rank.add_to(logits, u)
         g = grad_view(logits, w.dtype) if state.token_grads else None
         ce_c, lse_c = token_chunk(
-            call.backend, call.opts, logits, chunk.rows(state.labels), state.grad_of(chunk, g),
+            call.backend, call.opts, made, chunk.rows(state.labels), state.grad_of(chunk, g),
             None if g is None else state.grads, chunk, h, w,
-            given=state.given_of(chunk), records=state.rows.for_chunk(chunk), partials=partials,
+            given=state.given_of(chunk), records=state.rows.for_chunk(chunk),
             weight_too=not state.plan.two_pass,
         )  # fmt: skip
-        del partials  # now, not when the next chunk's are already allocated
         ces.append(ce_c)
         lses.append(lse_c)
         if g is None:
             continue
         if u is not None and state.low_rank.wants_grads:
             state.low_rank.chunk_grads(chunk, u, g)
-        del logits, g
+        del made, logits, g
     if call.lse_in is None and ces:
         _set_losses(res, ces, lses, state.rows.index)
 
@@ -117,7 +136,7 @@ def _token_pass(state: PassState) -> None:
 def token_chunk(
     backend: RowBackend,
     opts: LossOptions,
-    logits: torch.Tensor,
+    made: ChunkLogits,
     labels: torch.Tensor,
     grad: RowGrad | None,
     grads: GradSums | None,
@@ -125,20 +144,21 @@ def token_chunk(
     h: torch.Tensor,
     w: torch.Tensor,
     *,
-    partials: tuple | None = None,
     given: GivenLse | None = None,
     records: ChunkRecords = NO_RECORDS,
     weight_too: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token chunk once its logits (and the fused GEMM's ``partials``) are computed: the row
+    """One token chunk once its logits (and the fused GEMM's partials) are ``made``: the row
     kernel, which gives the chunk's ce and lse and, where ``grad`` says, writes d(loss)/d(logits)
     into ``grad.out``; then that gradient's share of grad_h, grad_W and grad_b, added to
     ``grads`` (``GradSums.add``, with the hidden rows ``h`` and weight ``w`` as the GEMMs read
-    them; nothing where ``grads`` is ``None``). The body of the chunk loop and of a call plan
-    (``one_chunk``): one home for both."""
-    extra = {} if partials is None else {"partials": partials}
-    ce, lse = backend.row_kernel(logits, labels, opts, grad=grad, given=given, records=records, **extra)
-    if grads is not None:
+    them; nothing where ``grads`` or ``grad`` is ``None``). The partials are taken from ``made``
+    for the row kernel and freed once it is launched, before the gradient GEMMs allocate. The
+    body of the chunk loop and of a call plan (``one_chunk``): one home for both."""
+    extra = {} if made.partials is None else {"partials": made.take_partials()}
+    ce, lse = backend.row_kernel(made.logits, labels, opts, grad=grad, given=given, records=records, **extra)
+    del extra  # the partials' last reference: the row kernel has read them
+    if grads is not None and grad is not None:
         grads.add(chunk, grad.out, h, w, weight_too=weight_too)
     return ce, lse
 

@@ -35,7 +35,7 @@ from liger_patch.ops.core.walked_rows import Chunk
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
 from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for
-from liger_patch.ops.cross_entropy.chunks import token_chunk
+from liger_patch.ops.cross_entropy.chunks import ChunkLogits, token_chunk
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
 from liger_patch.ops.cross_entropy.options import LossOptions
 from liger_patch.ops.cross_entropy.row_io import RowGrad
@@ -137,16 +137,17 @@ class OneChunk:
                 hidden.shape[0], weight.shape[0], dtype=self.logits_dtype, device=hidden.device
             )
             partials = backend.fused_logits.logits_with_partials(hidden, weight, None, opts, logits)
+            made = ChunkLogits(logits, partials)
+            del partials  # ``token_chunk`` frees them after the row kernel
             grad = grads = None
             if wanted.any():
                 grad = RowGrad(grad_view(logits, weight.dtype), coef, coef)
                 sums = grad_weight if grad_sum is None else grad_sum
                 grads = GradSums(grad_hidden, sums, None, self.plan.overwrite_first)
             ce, lse = token_chunk(
-                backend, opts, logits, labels, grad, grads, Chunk(0, hidden.shape[0]), hidden, weight,
-                partials=partials,
-            )  # fmt: skip
-            del logits, partials, grad, grads  # before grad_W is made from its sum, as run_chunks
+                backend, opts, made, labels, grad, grads, Chunk(0, hidden.shape[0]), hidden, weight
+            )
+            del made, logits, grad, grads  # before grad_W is made from its sum, as run_chunks
         if grad_sum is not None:
             grad_weight = grad_sum.to(weight.dtype)
         return ChunkResult(ce, lse, grad_hidden, grad_weight, None)

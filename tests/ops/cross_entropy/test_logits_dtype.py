@@ -33,7 +33,7 @@ def test_logits_dtype_parity(gen, device, chunk_rows, backend, reduction, dtype,
 
 def test_logits_are_stored_in_the_chosen_dtype(gen, device, monkeypatch):
     """The chunk the row kernel sees has the requested dtype (a test that the option is wired)."""
-    seen = record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: out[0].dtype)
+    seen = record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: out.logits.dtype)
     case = make_case(gen, (9,), 16, 40, dtype=torch.bfloat16, device=device)
     call_op(case)
     call_op(case, logits_dtype=torch.float32)

@@ -11,14 +11,16 @@ there: no plan); on CUDA with half inputs. The CPU reads its label check first, 
 that skips its ignored rows takes ``run_chunks``."""
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
 from op_helpers import call_op, make_case, materialize_options, record_calls
 from torch import Tensor
 
+from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.tuning import Tuning
-from liger_patch.ops.cross_entropy import one_chunk
+from liger_patch.ops.cross_entropy import chunks, one_chunk
 from liger_patch.ops.cross_entropy import operator as flce_operator
 from liger_patch.ops.cross_entropy.backends import row_backend
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
@@ -241,3 +243,29 @@ def test_a_plan_serves_only_the_backend_record_it_was_made_for(gen, device):
     assert one_chunk.planned(key, plan.backend) is plan
     assert one_chunk.planned(key, dataclasses.replace(plan.backend)) is None
     assert one_chunk.planned(None, plan.backend) is None
+
+
+def test_partials_are_freed_before_the_gradient_gemms(monkeypatch, gen, device):
+    """The fused GEMM's log-sum-exp partials serve only the row kernel: nothing holds them where the
+    chunk's gradient GEMMs allocate (docs/perf-notes.md item 21), in the chunk loop and in a plan."""
+    taken, seen_alive = [], []
+    take_partials = chunks.ChunkLogits.take_partials
+
+    def recording_take(self):
+        partials = take_partials(self)
+        taken.extend(weakref.ref(p) for p in partials if p is not None)
+        return partials
+
+    add = GradSums.add
+
+    def checking_add(self, *args, **kwargs):
+        seen_alive.append(sum(ref() is not None for ref in taken))
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(chunks.ChunkLogits, "take_partials", recording_take)
+    monkeypatch.setattr(GradSums, "add", checking_add)
+    runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="none")
+    _planned_thrice(case)
+    assert taken and len(runs) == 1  # partials were made, by the loop and by a plan
+    assert len(seen_alive) == 4 and not any(seen_alive)
