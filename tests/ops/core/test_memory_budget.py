@@ -108,7 +108,7 @@ def test_batch_budget_from_the_environment_and_as_an_option(monkeypatch):
 def logits_calls(monkeypatch):
     """Records the row count of every logits chunk the op builds (a first chunk begun before the
     label check, ``head_start``, when it is finished)."""
-    return record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: out[0].shape[0])
+    return record_calls(monkeypatch, chunked, "_chunk_logits", lambda args, kwargs, out: out.logits.shape[0])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -36,10 +36,10 @@ def fused_calls(monkeypatch):
     real = chunked._chunk_logits
 
     def spy(*args, **kwargs):
-        logits, partials = real(*args, **kwargs)
-        if partials is not None:
-            calls.append(logits.shape[0])
-        return logits, partials
+        made = real(*args, **kwargs)
+        if made.partials is not None:
+            calls.append(made.logits.shape[0])
+        return made
 
     monkeypatch.setattr(chunked, "_chunk_logits", spy)
     return calls
