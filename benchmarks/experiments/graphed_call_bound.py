@@ -14,13 +14,16 @@ At each ``--shapes`` N,H,V (bf16, 25 % of the labels ignored, logit std 3) print
 ``--out`` (JSON): host ms of one forward + backward queued behind about 20 ms of GPU work
 (``host_bound.host_time``, median of ``--reps``), per call of ten in a row
 (``host_bound.steady_host_ms``) and synchronised wall ms (``host_bound.wall_time``) for eager,
-the op, and both graphed, all alternated in every repetition; and the graphed op's largest
-difference from the op in loss, grad_h and grad_W on an input set the graph was not captured
-with (the same kernels, so about 0 is expected; the graph's grad_W is written whole, the op's
-too). What it leaves out, which a real design must add: the label check's answer read after the
-replay (a pinned copy inside the graph, an event after it), the check that the weight is where
-the graph reads it, grad_W's buffer not overwritten while a caller still holds it, and the
-graph's memory (the logits chunk stays allocated in the graph's pool).
+the op, both graphed and the op graphed with its check (below), all alternated in every
+repetition; and the graphed op's largest difference from the op in loss, grad_h and grad_W on
+an input set the graph was not captured with (the same kernels, so about 0 is expected).
+
+"ours_graphed_checked" adds the host work a real design adds to each replay: the label check's
+launch captured too, its answer's pinned copy and event queued after the replay
+(``validation.check_from_stats``, read after the timing as the op's deferred check is), and a
+look at the use count of five storages (a design's test that no caller still holds an output
+the replay would overwrite). Left out: the test that the weight is where the graph reads it (one
+pointer comparison), and the graph's memory (the logits chunk stays allocated in its pool).
 
     python benchmarks/experiments/graphed_call_bound.py \
         --out benchmarks/experiments/results/graphed_call_bound.json
@@ -41,7 +44,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
 from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms, wall_time  # noqa: E402
 
-from liger_patch.ops.core import deferred_checks  # noqa: E402
+from liger_patch.ops.core import deferred_checks, validation  # noqa: E402
+from liger_patch.ops.core.triton.label_check import label_check  # noqa: E402
+
+IGNORE = -100
+_CHECKS: list[validation.ValueCheck] = []  # the checks queued after replays, read after the timing
+
+
+def _loss_and_stats(hidden, weight, labels):
+    """The op's loss and a label check's statistics, to be captured together."""
+    stats = label_check(labels, weight.shape[0], IGNORE, "mean").stats
+    return ours_loss(hidden, weight, labels), stats
+
+
+def _checked(graphed):
+    """``graphed`` (``_loss_and_stats`` as graphs) with the host work a real design adds to a
+    replay: the storages' use counts looked at, the check's answer copied to the host."""
+
+    def call(hidden, weight, labels):
+        for t in (hidden, weight, labels, hidden, weight):  # five storages, as a design's outputs
+            torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        loss, stats = graphed(hidden, weight, labels)
+        _CHECKS.append(validation.check_from_stats(labels, weight.shape[0], IGNORE, None, stats))
+        return loss
+
+    return call
+
+
+def _read_checks() -> None:
+    while _CHECKS:
+        _CHECKS.pop().result()
 
 
 def _input_sets(n: int, h: int, v: int):
@@ -83,6 +115,7 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
         "eager": eager_loss,
         "ours": ours_loss,
         "ours_graphed": _graphed(ours_loss, hidden0, weight, labels0),
+        "ours_graphed_checked": _checked(_graphed(_loss_and_stats, hidden0, weight, labels0)),
         "eager_graphed": _graphed(eager_loss, hidden0, weight, labels0),
     }
     row = {"N": n, "H": h, "V": v, "ignored": 0.25, **_differences(fns["ours_graphed"], weight, inputs)}
@@ -105,10 +138,12 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
         for name, call in calls.items():
             one[name].append(host_time(call, backlog, "cuda")[0])
             wall[name].append(wall_time(call, "cuda"))
+            _read_checks()
             deferred_checks.raise_pending()
     for _ in range(5):
         for name, call in calls.items():
             steady[name].append(steady_host_ms(call, backlog))
+            _read_checks()
     for name in calls:
         row[f"{name}_host_ms"] = round(statistics.median(one[name]), 4)
         row[f"{name}_steady_host_ms"] = round(statistics.median(steady[name]), 4)
@@ -143,7 +178,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     result = {**environment(), "commit": args.commit or _git_head(), "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    names = ("eager", "ours", "ours_graphed", "eager_graphed")
+    names = ("eager", "ours", "ours_graphed", "ours_graphed_checked", "eager_graphed")
     print("\n| N × H × V | host ms one call | ten in a row, per call | wall ms |")
     print("|---|---|---|---|")
     for r in rows:
