@@ -70,6 +70,11 @@ class Tuning:
             GEMM takes its chunk loop's decisions once per signature and then issues only its
             launches (``cross_entropy/one_chunk.py``): the same bits, less host time a call
             (item 63). ``False``: every call takes them again.
+        call_graphs: on CUDA, a plan's launches are captured once as a CUDA graph and later
+            plain eager calls replay it (``cross_entropy/plan_graph.py``): the same bits, about
+            a third of the host time a call (item 66), at the cost of the memory each graph
+            keeps between calls (its logits chunk and gradients; at most four graphs).
+            ``False``: no graphs.
     """
 
     fused_logits: bool = True
@@ -86,9 +91,10 @@ class Tuning:
     wait_to_skip_gflop: float = 400.0
     head_start_gflop: float = 300.0
     call_plans: bool = True
+    call_graphs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans"):
+        for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans", "call_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("two_pass", "fp32_grad_weight"):

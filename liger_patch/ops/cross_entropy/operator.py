@@ -48,7 +48,7 @@ from liger_patch.ops.core.kept_rows import (
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows, weighted_total
-from liger_patch.ops.cross_entropy import chunk_plan, one_chunk
+from liger_patch.ops.cross_entropy import chunk_plan, one_chunk, plan_graph
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
@@ -223,7 +223,10 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
     plan = one_chunk.planned(key, backend)
     if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
-        res = plan.run(hidden, weight, checked.labels, coef, opts)
+        if empties.shared:  # the eager twin, a plain eager call: replayed from a graph where one serves
+            res = plan_graph.run(plan, key, hidden, weight, checked.labels, coef, opts)
+        else:
+            res = plan.run(hidden, weight, checked.labels, coef, opts)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
     call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
     call = _checked_call(call, checked, head, budget_all)
