@@ -25,7 +25,7 @@ is being captured by the caller, or on the CPU, never uses them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -33,8 +33,14 @@ from torch import Tensor
 from liger_patch.ops.cross_entropy.chunk_call import ChunkResult
 from liger_patch.ops.cross_entropy.options import LossOptions
 
-if TYPE_CHECKING:
-    from liger_patch.ops.cross_entropy.one_chunk import OneChunk
+
+class OneChunk(Protocol):
+    """What a graph captures: a call plan (``one_chunk.OneChunk``, which imports this module)."""
+
+    def run(
+        self, hidden: Tensor, weight: Tensor, labels: Tensor, coef: Tensor | None, opts: LossOptions
+    ) -> ChunkResult: ...
+
 
 _MAX_GRAPHS = 4
 _MAX_MISSES = 8
