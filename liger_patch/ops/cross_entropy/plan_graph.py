@@ -1,9 +1,10 @@
 """A call plan's launches captured once as a CUDA graph, then replayed: one launch instead of several.
 
-A call that a plan serves (``one_chunk.OneChunk``) still costs the host about 1.5 ms on an H200,
-most of it Triton's launches, the allocations and the plan's own Python, where eager's whole
-head costs about 1 ms. Replayed as a CUDA graph the same launches cost the host a fraction of that
-(docs/perf-notes.md item 66). ``run`` does this for a plain eager call on CUDA:
+A call that a plan serves (``one_chunk.OneChunk``) still issues its launches one by one, each
+Triton launch binding its arguments on the host. Replayed as a CUDA graph they cost the host one
+graph launch and three copies: on an H200 the op's host time a call went from 1.67-2.12 to
+1.54-1.89 ms (ten in a row: 1.98-2.04 to 1.62-1.76), eager's being 1.10-1.25 (docs/perf-notes.md
+item 66). ``run`` does this for a plain eager call on CUDA:
 
 * The plan's first run notes where the weight is. A later run that finds it there again first
   runs as usual (its own results), then captures the same launches into a graph on a side stream
