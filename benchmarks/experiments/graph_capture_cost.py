@@ -1,6 +1,7 @@
 """Probe: the host time of a signature's first calls, the graph's capture among them (issue 43).
 
-A signature's calls (``cross_entropy/plan_graph.py``): the first is seen, the second makes the
+The op with ``Tuning(call_graphs=True)``. A signature's calls (``cross_entropy/plan_graph.py``):
+the first is seen, the second makes the
 plan, the third runs it, the fourth runs it and captures its graph, the later ones replay it.
 At each ``--shapes`` N,H,V (bf16, 25 % of the labels ignored) with no plan or graph made before,
 prints and writes to ``--out`` (JSON) each of its first ``--calls`` forward + backward calls'
@@ -21,10 +22,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
 from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
-from host_bound import Backlog, host_time, ours_loss  # noqa: E402
+from host_bound import Backlog, host_time  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 from liger_patch.ops.cross_entropy import one_chunk  # noqa: E402
+from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy  # noqa: E402
+
+
+def ours_with_graphs(hidden, weight, labels):
+    """The op with ``Tuning(call_graphs=True)`` (off by default since 9726c01's successor)."""
+    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=True))
 
 
 def main() -> None:
@@ -44,7 +52,7 @@ def main() -> None:
         hidden, weight, labels = make_inputs(n, h, v, ignore_frac=0.25, logit_std=3.0)
 
         def call() -> None:
-            fwd_bwd(ours_loss, hidden, weight, labels)  # noqa: B023 (called in this iteration)
+            fwd_bwd(ours_with_graphs, hidden, weight, labels)  # noqa: B023 (called in this iteration)
 
         for measured in (False, True):  # a first round compiles the kernels, a second is measured
             one_chunk.forget()

@@ -73,8 +73,11 @@ class Tuning:
         call_graphs: on CUDA, a plan's launches are captured once as a CUDA graph and later
             plain eager calls replay it (``cross_entropy/plan_graph.py``): the same bits, 0.1-0.5
             ms less host time a call on an H200 (item 66), at the cost of the memory each graph
-            keeps between calls (its logits chunk, row results and gradients; at most four
-            graphs). ``False``: no graphs.
+            keeps between calls (its logits chunk, partials, row results and gradients; at most
+            four graphs). Off by default: a graph's buffers are shared by every call of its
+            signature, and a replay is not yet tied to one stream and one thread, so calls of
+            one signature on two streams (or threads) not ordered by the caller could overwrite
+            each other's inputs and results (item 66).
     """
 
     fused_logits: bool = True
@@ -91,7 +94,7 @@ class Tuning:
     wait_to_skip_gflop: float = 400.0
     head_start_gflop: float = 300.0
     call_plans: bool = True
-    call_graphs: bool = True
+    call_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans", "call_graphs"):

@@ -20,8 +20,9 @@ item 66). ``run`` does this for a plain eager call on CUDA:
 
 What a graph keeps between calls is its own memory pool: the plan's logits chunk, its row results
 and gradients. At most ``_MAX_GRAPHS`` are kept; the oldest is dropped (and its signature not
-captured again) for a new one. ``Tuning.call_graphs`` turns graphs off; a call made while a graph
-is being captured by the caller, or on the CPU, never uses them.
+captured again) for a new one. ``Tuning.call_graphs`` turns graphs on (they are off by default:
+a replay is not yet tied to one stream and one thread, see its docstring); a call made while a
+graph is being captured by the caller, or on the CPU, never uses them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import one_chunk, plan_graph
 
 H, V, N = 64, 320, 45  # 16-byte aligned rows; N odd, not a multiple of any tile
-GRAPHS, NO_GRAPHS = Tuning(), Tuning(call_graphs=False)
+GRAPHS, NO_GRAPHS = Tuning(call_graphs=True), Tuning(call_graphs=False)
 
 
 def _replays(monkeypatch) -> list:
@@ -169,11 +169,11 @@ def test_a_bad_label_still_raises(gen, device):
         _call(case, GRAPHS)
 
 
-def test_graphs_turned_off_or_on_the_cpu_make_none(monkeypatch, gen, device):
+def test_graphs_off_by_default_turned_off_or_on_the_cpu_make_none(monkeypatch, gen, device):
     runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     case = _case(gen, device, dtype, ignore="none")  # the CPU plans a call that walks every row
-    tunings = (NO_GRAPHS,) if device.type == "cuda" else (NO_GRAPHS, GRAPHS)
+    tunings = (NO_GRAPHS, Tuning()) if device.type == "cuda" else (NO_GRAPHS, Tuning(), GRAPHS)
     for tuning in tunings:
         for _ in range(6):
             _call(case, tuning)
