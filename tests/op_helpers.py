@@ -250,6 +250,28 @@ def reference_for(case: Case, **opts):
     return loss, z, leaves
 
 
+def fresh_values(case: Case, gen: torch.Generator, reignore: bool = False) -> None:
+    """New values in ``case``'s own tensors (the same tensors: the same signature) and new kept
+    labels; with ``reignore`` the ignored positions are drawn anew too (as many as before), so
+    each row's weight in the reduced loss changes from call to call."""
+    with torch.no_grad():
+        for t in case.tensors().values():
+            t.copy_((torch.randn(t.shape, generator=gen) * t.float().std().cpu()).to(t.device, t.dtype))
+    kept = (case.labels != case.ignore_index).cpu()
+    if reignore:
+        kept = kept.flatten()[torch.randperm(kept.numel(), generator=gen)].view(kept.shape)
+    fresh = torch.randint(0, case.weight.shape[0], case.labels.shape, generator=gen)
+    case.labels.copy_(torch.where(kept, fresh, case.ignore_index).to(case.labels.device))
+
+
+def assert_same_bits(a, b) -> None:
+    """Two sequences of tensors equal bit for bit (same dtypes and shapes)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y), (x, y)
+
+
 def upstream_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """A random upstream gradient: a scalar in [0.5, 1.5) for scalars, N(0,1) otherwise."""
     if t.dim() == 0:

@@ -74,10 +74,9 @@ class Tuning:
             plain eager calls replay it (``cross_entropy/plan_graph.py``): the same bits, 0.1-0.5
             ms less host time a call on an H200 (item 66), at the cost of the memory each graph
             keeps between calls (its logits chunk, partials, row results and gradients; at most
-            four graphs). Off by default: a graph's buffers are shared by every call of its
-            signature, and a replay is not yet tied to one stream and one thread, so calls of
-            one signature on two streams (or threads) not ordered by the caller could overwrite
-            each other's inputs and results (item 66).
+            four graphs). A replay runs only on the stream its graph was captured for, one
+            thread at a time (item 68). Off by default: that memory is not yet counted against
+            the budget, nor measured in a training step's peak.
     """
 
     fused_logits: bool = True

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from liger_patch import env
+from liger_patch.ops.core.bounded import keep_bounded
 from liger_patch.ops.core.budget import ChunkPlan
 from liger_patch.ops.core.contexts import autocast_off, without_grad
 from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
@@ -173,15 +174,9 @@ def learn(key: tuple, call: ChunkCall) -> None:
     so that a signature seen once costs no planning."""
     found = _PLANS.get(key, _ABSENT)
     if found is _ABSENT:
-        _keep(key, _SEEN_ONCE)
+        keep_bounded(_PLANS, key, _SEEN_ONCE, _MAX_PLANS)
     elif found is _SEEN_ONCE:
-        _keep(key, OneChunk.of(call))
-
-
-def _keep(key: tuple, value: OneChunk | object | None) -> None:
-    if key not in _PLANS and len(_PLANS) >= _MAX_PLANS:
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = value
+        keep_bounded(_PLANS, key, OneChunk.of(call), _MAX_PLANS)
 
 
 def forget() -> None:

@@ -9,29 +9,38 @@ item 66). ``run`` does this for a plain eager call on CUDA:
 * The plan's first run notes where the weight is. A later run that finds it there again first
   runs as usual (its own results), then captures the same launches into a graph on a side stream
   (nothing runs during a capture), reading hidden states, labels and row weights of its own.
-* Each later call copies its hidden states, labels and row weights into the graph's, replays it,
-  and returns the graph's outputs as new tensors that share their storage: the same kernels on the
-  same values, so the same bits as ``plan.run``.
+* Each later call on the stream the graph was captured for copies its hidden states, labels and
+  row weights into the graph's, replays it, and returns the graph's outputs as new tensors that
+  share their storage: the same kernels on the same values, so the same bits as ``plan.run``.
 * A replay rewrites those outputs, so it is refused (the plan runs as usual) while anything but
   the graph still holds one of them (the use counts of their storages say so: a gradient being
-  accumulated in grad_W's buffer, a loss kept from an earlier call), and while the weight is not
-  where the graph reads it (FSDP2 and ZeRO-3 gather it anew). After ``_MAX_MISSES`` refusals in a
-  row the graph is dropped and its signature is not captured again.
+  accumulated in grad_W's buffer, a loss kept from an earlier call), while the weight is not where
+  the graph reads it (FSDP2 and ZeRO-3 gather it anew), and on any other stream (whose work the
+  caller need not order after the graph's). After ``_MAX_MISSES`` refusals in a row the graph is
+  dropped and its signature is not captured again.
 
-What a graph keeps between calls is its own memory pool: the plan's logits chunk, its row results
-and gradients. At most ``_MAX_GRAPHS`` are kept; the oldest is dropped (and its signature not
-captured again) for a new one. ``Tuning.call_graphs`` turns graphs on (they are off by default:
-a replay is not yet tied to one stream and one thread, see its docstring); a call made while a
-graph is being captured by the caller, or on the CPU, never uses them.
+``GraphCache`` keeps that bookkeeping behind one lock, so that the check that no output is held
+and the replay that rewrites them are one step for every thread. What a graph keeps between calls
+is its own memory pool: the plan's logits chunk, its row results and gradients. At most
+``_MAX_GRAPHS`` are kept: a new one drops the least recently replayed, which may be captured
+again (at most ``_MAX_CAPTURES`` times, so that more signatures than graphs taking turns do not
+capture at every call); a capture that fails leaves its signature to the plan for good, and one
+that runs out of memory also drops every graph. ``Tuning.call_graphs`` turns graphs on (off by
+default: see its docstring); a call made while a graph is being captured by the caller, or on the
+CPU, never uses them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from liger_patch.ops.core.bounded import keep_bounded
 from liger_patch.ops.cross_entropy.chunk_call import ChunkResult
 from liger_patch.ops.cross_entropy.options import LossOptions
 
@@ -44,8 +53,19 @@ class OneChunk(Protocol):
     ) -> ChunkResult: ...
 
 
+class Graph(Protocol):
+    """What ``GraphCache`` asks of a captured graph (``PlanGraph``)."""
+
+    plan: OneChunk
+
+    def serves(self, weight: Tensor, stream: Any) -> bool: ...
+
+    def replay(self, hidden: Tensor, labels: Tensor, coef: Tensor | None) -> ChunkResult: ...
+
+
 _MAX_GRAPHS = 4
 _MAX_MISSES = 8
+_MAX_CAPTURES = 3
 _MAX_ENTRIES = 256
 
 
@@ -60,50 +80,157 @@ def _static_like(t: Tensor) -> Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
-class PlanGraph:
-    """One signature's graph: its plan, the weight's address it reads, its input buffers, its
-    outputs (a ``ChunkResult`` of its pool's tensors) and their storages' use counts when nothing
-    but the graph held them."""
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
-    def __init__(self, plan: OneChunk, hidden: Tensor, weight: Tensor, labels: Tensor, coef, opts) -> None:
-        self.plan, self.weight_ptr, self.misses = plan, weight.data_ptr(), 0
+
+def _side_stream(device: torch.device) -> tuple[torch.cuda.Stream, bool]:
+    """The stream graphs are captured on for ``device`` (made once), and whether it is new."""
+    side = _SIDE_STREAMS.get(device)
+    if side is not None:
+        return side, False
+    side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return side, True
+
+
+class PlanGraph:
+    """One signature's graph: its plan, the stream it replays on, the weight's address it reads,
+    its input buffers, its outputs (a ``ChunkResult`` of its pool's tensors) and their storages'
+    use counts when nothing but the graph held them."""
+
+    def __init__(self, plan: OneChunk, hidden, weight, labels, coef, opts: LossOptions, stream) -> None:
+        self.plan, self.stream, self.weight_ptr = plan, stream, weight.data_ptr()
         self.hidden, self.labels = _static_like(hidden), _static_like(labels)
         self.coef = None if coef is None else _static_like(coef)
-        device = hidden.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        self._copy_in(hidden, labels, coef)  # valid values for the warm-up below
+        side, new = _side_stream(hidden.device)
+        side.wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
+            if new:  # what a stream sets up at its first use (cuBLAS's workspace) is not captured
+                plan.run(self.hidden, weight, self.labels, self.coef, opts)
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.result = plan.run(self.hidden, weight, self.labels, self.coef, opts)
             finally:
                 self.graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(side)
+        stream.wait_stream(side)
         self.outputs = [t for t in vars(self.result).values() if t is not None and t.numel()]
         self.counts = [_use_count(t) for t in self.outputs]
 
-    def serves(self, weight: Tensor) -> bool:
-        """Whether a replay may run now: the weight where the graph reads it, and no output held
-        by anything but the graph."""
-        if weight.data_ptr() != self.weight_ptr:
+    def serves(self, weight: Tensor, stream) -> bool:
+        """Whether a replay may run now: on the graph's stream, the weight where the graph reads
+        it, and no output held by anything but the graph."""
+        if weight.data_ptr() != self.weight_ptr or stream != self.stream:
             return False
         return all(_use_count(t) <= n for t, n in zip(self.outputs, self.counts, strict=True))
 
     def replay(self, hidden: Tensor, labels: Tensor, coef: Tensor | None) -> ChunkResult:
         """The plan's result for these inputs: copied in, the graph replayed, its outputs shared."""
-        self.hidden.copy_(hidden)
-        self.labels.copy_(labels)
-        if coef is not None:
-            self.coef.copy_(coef)
+        self._copy_in(hidden, labels, coef)
         self.graph.replay()
         shared = {name: None if t is None else t.detach() for name, t in vars(self.result).items()}
         return ChunkResult(**shared)
 
+    def _copy_in(self, hidden: Tensor, labels: Tensor, coef: Tensor | None) -> None:
+        self.hidden.copy_(hidden)
+        self.labels.copy_(labels)
+        if coef is not None:
+            self.coef.copy_(coef)
 
-_ENTRIES: dict[tuple, PlanGraph | int | None] = {}
-"""signature -> its graph, the weight's address its plan's last run found (no graph yet), or
-``None`` (never captured again)."""
+
+@dataclass
+class Signature:
+    """What ``GraphCache`` knows of one signature: its graph, where its plan's last run found the
+    weight (no graph yet), how often it was captured, its refusals in a row, its last replay."""
+
+    graph: Graph | None = None
+    weight_ptr: int | None = None
+    captures: int = 0
+    misses: int = 0
+    used: int = 0
+
+
+class GraphCache:
+    """Every signature's graph and what its runs noted, behind one lock. ``capture(plan, hidden,
+    weight, labels, coef, opts, stream)`` makes a graph (``PlanGraph`` on CUDA; the tests give
+    stand-ins, so this bookkeeping is tested on the CPU too)."""
+
+    def __init__(self, capture: Callable[..., Graph]) -> None:
+        self.capture = capture
+        self.entries: dict[tuple, Signature] = {}
+        self.lock = threading.Lock()
+        self.clock = 0
+
+    def run(self, plan: OneChunk, key: tuple, hidden, weight, labels, coef, opts, stream) -> ChunkResult:
+        """``plan.run``'s result for a call of signature ``key`` on ``stream``: replayed from its
+        graph where one serves it, else run (and captured, the second time in a row the weight is
+        found in one place)."""
+        with self.lock:
+            entry = self.entries.get(key)
+            graphed = entry is not None and entry.graph is not None and entry.graph.plan is plan
+            if graphed and entry.graph.serves(weight, stream):
+                self.clock += 1
+                entry.used, entry.misses = self.clock, 0
+                return entry.graph.replay(hidden, labels, coef)
+            if graphed:
+                self._missed(entry)
+        res = plan.run(hidden, weight, labels, coef, opts)
+        if not graphed:
+            with self.lock:
+                self._note(key, plan, (hidden, weight, labels, coef, opts, stream))
+        return res
+
+    def graphs(self) -> list[Graph]:
+        """The graphs kept now."""
+        return [e.graph for e in self.entries.values() if e.graph is not None]
+
+    def forget(self) -> None:
+        """Drop every graph and what the plans' runs noted."""
+        with self.lock:
+            self.entries.clear()
+
+    def _missed(self, entry: Signature) -> None:
+        entry.misses += 1
+        if entry.misses >= _MAX_MISSES:  # the weight keeps moving, or the outputs stay held
+            entry.graph, entry.captures = None, _MAX_CAPTURES
+
+    def _note(self, key: tuple, plan: OneChunk, inputs: tuple) -> None:
+        """A plain run of ``key``'s plan with ``inputs``: noted, or captured where its last run
+        found the weight in the same place."""
+        weight_ptr = inputs[1].data_ptr()
+        entry = self.entries.get(key)
+        if entry is None:
+            keep_bounded(self.entries, key, Signature(weight_ptr=weight_ptr), _MAX_ENTRIES)
+            return
+        entry.graph = None  # made for a plan since replaced, if any
+        if entry.captures >= _MAX_CAPTURES:
+            return
+        if entry.weight_ptr != weight_ptr:
+            entry.weight_ptr = weight_ptr
+            return
+        self._capture(entry, plan, inputs)
+
+    def _capture(self, entry: Signature, plan: OneChunk, inputs: tuple) -> None:
+        """``entry``'s graph; then the least recently replayed graph beyond ``_MAX_GRAPHS`` dropped."""
+        entry.captures, entry.weight_ptr = entry.captures + 1, None
+        try:
+            graph = self.capture(plan, *inputs)
+        except torch.cuda.OutOfMemoryError:  # the memory is wanted elsewhere: keep no graph
+            for other in self.entries.values():
+                other.graph = None
+            entry.captures = _MAX_CAPTURES
+            return
+        except Exception:  # something in the plan cannot be captured here: its calls run the plan
+            entry.captures = _MAX_CAPTURES
+            return
+        self.clock += 1
+        entry.graph, entry.misses, entry.used = graph, 0, self.clock
+        kept = [e for e in self.entries.values() if e.graph is not None]
+        if len(kept) > _MAX_GRAPHS:
+            min(kept, key=lambda e: e.used).graph = None
+
+
+_GRAPHS = GraphCache(PlanGraph)
 
 
 def run(
@@ -115,47 +242,14 @@ def run(
     coef: Tensor | None,
     opts: LossOptions,
 ) -> ChunkResult:
-    """``plan.run``'s result for a plain eager call of signature ``key``: replayed from its graph
-    where one serves it, else run (and captured, the second time the weight is found in one place)."""
+    """``plan.run``'s result for a plain eager call of signature ``key``, from its graph where
+    graphs are on (``Tuning.call_graphs``), the call is on CUDA and the caller is not capturing."""
     if not (opts.tuning.call_graphs and hidden.is_cuda) or torch.cuda.is_current_stream_capturing():
         return plan.run(hidden, weight, labels, coef, opts)
-    entry = _ENTRIES.get(key)
-    if isinstance(entry, PlanGraph) and entry.plan is plan:
-        if entry.serves(weight):
-            entry.misses = 0
-            return entry.replay(hidden, labels, coef)
-        entry.misses += 1
-        if entry.misses >= _MAX_MISSES:
-            _ENTRIES[key] = None
-        return plan.run(hidden, weight, labels, coef, opts)
-    res = plan.run(hidden, weight, labels, coef, opts)
-    if key in _ENTRIES and entry is None:
-        return res
-    if entry == weight.data_ptr():
-        _capture(key, plan, hidden, weight, labels, coef, opts)
-    else:
-        _keep(key, weight.data_ptr())
-    return res
-
-
-def _capture(key: tuple, plan: OneChunk, hidden, weight, labels, coef, opts: LossOptions) -> None:
-    """``key``'s graph, made room for; ``None`` for the key where the capture fails."""
-    graphs = [k for k, v in _ENTRIES.items() if isinstance(v, PlanGraph)]
-    if len(graphs) >= _MAX_GRAPHS:
-        _ENTRIES[graphs[0]] = None
-    try:
-        made = PlanGraph(plan, hidden, weight, labels, coef, opts)
-    except RuntimeError:  # something in the plan cannot be captured here: it runs as usual
-        made = None
-    _keep(key, made)
-
-
-def _keep(key: tuple, value: PlanGraph | int | None) -> None:
-    if key not in _ENTRIES and len(_ENTRIES) >= _MAX_ENTRIES:
-        del _ENTRIES[next(iter(_ENTRIES))]
-    _ENTRIES[key] = value
+    stream = torch.cuda.current_stream(hidden.device)
+    return _GRAPHS.run(plan, key, hidden, weight, labels, coef, opts, stream)
 
 
 def forget() -> None:
     """Drop every graph and what the plans' runs noted."""
-    _ENTRIES.clear()
+    _GRAPHS.forget()

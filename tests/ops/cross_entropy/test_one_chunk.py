@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 import torch
-from op_helpers import call_op, make_case, materialize_options, record_calls
+from op_helpers import assert_same_bits, call_op, fresh_values, make_case, materialize_options, record_calls
 from torch import Tensor
 
 from liger_patch.ops.core.grad_sums import GradSums
@@ -70,9 +70,7 @@ def _run(case, ignore_index, plans: bool, **opts):
 
 
 def _assert_same_bits(a, b) -> None:
-    for x, y in zip((*a[0], *a[1]), (*b[0], *b[1]), strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x, y), (x, y)
+    assert_same_bits((*a[0], *a[1]), (*b[0], *b[1]))
 
 
 def _planned_thrice(case, ignore_index=-100, **opts):
@@ -83,17 +81,6 @@ def _planned_thrice(case, ignore_index=-100, **opts):
     for result in results:
         _assert_same_bits(result, unplanned)
     return results[-1]
-
-
-def _fresh_values(case, gen) -> None:
-    """New values in the case's tensors (the same tensors: the same signature) and new labels."""
-    with torch.no_grad():
-        for t in case.tensors().values():
-            fresh = torch.randn(t.shape, generator=gen).to(t.device) * t.float().std()
-            t.copy_(fresh.to(t.dtype))
-    kept = case.labels != case.ignore_index
-    fresh = torch.randint(0, V, case.labels.shape, generator=gen).to(case.labels.device)
-    case.labels.copy_(torch.where(kept, fresh, case.labels))
 
 
 # Every option with both gradients and a few ignored labels; the plain loss with every subset of
@@ -117,7 +104,7 @@ def test_planned_calls_give_the_chunk_loops_bits(monkeypatch, gen, device, optio
         planned = _planned_here(device, dtype, case)
         assert len(runs) == (1 if planned else 0), (dtype, len(runs))
         # The plan serves other values and labels of its signature.
-        _fresh_values(case, gen)
+        fresh_values(case, gen)
         runs.clear()
         _assert_same_bits(_run(case, ignore_index, True, **opts), _run(case, ignore_index, False, **opts))
         assert len(runs) == (1 if planned else 0)
@@ -193,7 +180,7 @@ def test_a_signature_seen_once_is_not_planned_and_the_oldest_go_first(gen, devic
     assert all(p is one_chunk._SEEN_ONCE for p in one_chunk._PLANS.values())
     first = next(iter(one_chunk._PLANS))
     for i in range(one_chunk._MAX_PLANS):
-        one_chunk._keep(("another signature", i), None)
+        one_chunk.learn(("another signature", i), None)  # seen once: the call is not read
     assert len(one_chunk._PLANS) == one_chunk._MAX_PLANS and first not in one_chunk._PLANS
     one_chunk.forget()
     assert not one_chunk._PLANS

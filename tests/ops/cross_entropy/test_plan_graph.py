@@ -1,19 +1,33 @@
 """``plan_graph``: a call plan's launches captured as a CUDA graph and replayed. Replays must give
-the plan's bits (``Tuning(call_graphs=False)``) for new values and labels of the signature; must
-never rewrite an output that something still holds (a kept gradient, a gradient being
-accumulated); must not run while the weight is elsewhere; and a bad label must still raise.
+the plan's bits (``Tuning(call_graphs=False)``) for new values, labels and ignored positions of the
+signature; must never rewrite an output that something still holds (a kept gradient, a gradient
+being accumulated); must not run while the weight is elsewhere or on another stream; must stay out
+of a caller's own capture; and a bad label must still raise. ``GraphCache``'s bookkeeping (when to
+capture, refuse, drop and evict; one caller at a time) is tested with stand-in graphs on any device.
 
 A signature's calls: the first is seen, the second makes the plan, the third runs it (noting
 where the weight is), the fourth runs it and captures the graph, the fifth on replays it.
 (tests/conftest.py starts every test with no plan and no graph.) Graphs need a GPU; on the CPU
 the plan runs and nothing is captured."""
 
+import threading
+import time
+
 import pytest
 import torch
-from op_helpers import call_op, make_case, raises_by_step, record_calls
+from op_helpers import (
+    assert_same_bits,
+    call_op,
+    capture_step,
+    fresh_values,
+    make_case,
+    raises_by_step,
+    record_calls,
+)
 
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import one_chunk, plan_graph
+from liger_patch.ops.cross_entropy.plan_graph import GraphCache
 
 H, V, N = 64, 320, 45  # 16-byte aligned rows; N odd, not a multiple of any tile
 GRAPHS, NO_GRAPHS = Tuning(call_graphs=True), Tuning(call_graphs=False)
@@ -33,16 +47,6 @@ def _case(gen, device, dtype=torch.bfloat16, requires_grad=("hidden", "weight"),
     return make_case(gen, (N,), H, V, dtype=dtype, device=device, ignore=ignore, requires_grad=requires_grad)
 
 
-def _fresh(case, gen) -> None:
-    """New values in the case's own tensors (the same signature) and new kept labels."""
-    with torch.no_grad():
-        for t in case.tensors().values():
-            t.copy_((torch.randn(t.shape, generator=gen) * t.float().std().cpu()).to(t.device, t.dtype))
-    kept = case.labels != case.ignore_index
-    fresh = torch.randint(0, V, case.labels.shape, generator=gen).to(case.labels.device)
-    case.labels.copy_(torch.where(kept, fresh, case.labels))
-
-
 def _call(case, tuning: Tuning, clear: bool = True, **opts):
     """One forward + backward: the outputs and the gradients as the call left them (not copies)."""
     if clear:
@@ -60,11 +64,8 @@ def _copies(result) -> tuple:
     return tuple(t.detach().clone() for t in (*outs, *grads))
 
 
-def _assert_same_bits(a: tuple, b: tuple) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x, y), (x, y)
+def _graphs() -> list:
+    return plan_graph._GRAPHS.graphs()
 
 
 OPTIONS = {
@@ -85,9 +86,9 @@ def test_replays_give_the_plans_bits(monkeypatch, gen, device, option, needs):
         replays.clear()
         case = _case(gen, device, dtype, needs)
         for _ in range(7):
-            _fresh(case, gen)
+            fresh_values(case, gen, reignore=True)
             graphed = _copies(_call(case, GRAPHS, **OPTIONS[option]))
-            _assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS, **OPTIONS[option])))
+            assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS, **OPTIONS[option])))
         assert len(replays) == 3, dtype
 
 
@@ -99,42 +100,45 @@ def test_a_held_output_is_never_rewritten(monkeypatch, gen, device):
     case = _case(gen, device)
     kept = []
     for i in range(12):
-        _fresh(case, gen)
+        fresh_values(case, gen, reignore=True)
         result = _call(case, GRAPHS)
         reference = _copies(_call(case, NO_GRAPHS))
-        _assert_same_bits(_copies(result), reference)
+        assert_same_bits(_copies(result), reference)
         if i % 2:
             kept.append((result, reference))
         del result
     for result, reference in kept:
-        _assert_same_bits(_copies(result), reference)
+        assert_same_bits(_copies(result), reference)
     assert 0 < len(replays) < 8  # some calls replayed, none while a kept gradient held its buffer
 
 
-def test_accumulated_gradients_equal_the_plans(gen, device):
+def test_accumulated_gradients_equal_the_plans(monkeypatch, gen, device):
     """Gradients accumulated over calls (no clearing between them), graphed or not: the same bits."""
     _needs_gpu(device)
+    replays = _replays(monkeypatch)
     case = _case(gen, device)
     start = {name: t.detach().clone() for name, t in case.tensors().items()}
     labels = case.labels.clone()
     sums = {}
     for tuning in (GRAPHS, NO_GRAPHS):
-        with torch.no_grad():  # each run from the same values: _fresh scales by their spread
+        with torch.no_grad():
             for name, t in case.tensors().items():
-                t.copy_(start[name])
+                t.copy_(start[name])  # each run from the same values: fresh_values scales by their spread
         case.labels.copy_(labels)
         for t in case.grad_leaves().values():
             t.grad = None
         for step in range(8):
-            _fresh(case, torch.Generator().manual_seed(step))
+            fresh_values(case, torch.Generator().manual_seed(step), reignore=True)
             _call(case, tuning, clear=False)
         sums[tuning] = tuple(t.grad.clone() for t in case.grad_leaves().values())
-    _assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
+    assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
+    assert len(replays) >= 2  # the graphed run's later calls replayed into the sums
 
 
 def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):
-    """A weight of the same signature at another address (as FSDP2 or ZeRO-3 gather it anew) runs
-    the plan; the graph's own weight replays again afterwards; too many misses in a row drop it."""
+    """A weight of the same signature at another address (as FSDP2 or ZeRO-3 gather it anew, with
+    other values) runs the plan; the graph's own weight replays again afterwards; too many misses
+    in a row drop the graph for good."""
     _needs_gpu(device)
     replays = _replays(monkeypatch)
     case = _case(gen, device)
@@ -142,20 +146,76 @@ def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):
         _call(case, GRAPHS)
     assert len(replays) == 1
     original = case.weight
-    case.weight = original.detach().clone().requires_grad_()
-    _assert_same_bits(_copies(_call(case, GRAPHS)), _copies(_call(case, NO_GRAPHS)))
+
+    def moved():
+        with torch.no_grad():
+            return (original + 0.05 * torch.randn_like(original)).requires_grad_()
+
+    case.weight = moved()
+    assert_same_bits(_copies(_call(case, GRAPHS)), _copies(_call(case, NO_GRAPHS)))
     assert len(replays) == 1
     case.weight = original
     _call(case, GRAPHS)
     assert len(replays) == 2
-    case.weight = original.detach().clone().requires_grad_()
+    case.weight = moved()
     for _ in range(plan_graph._MAX_MISSES):
         _call(case, GRAPHS)
-    assert None in plan_graph._ENTRIES.values()  # dropped, and not captured again
+    assert not _graphs()
     case.weight = original
     for _ in range(3):
         _call(case, GRAPHS)
+    assert len(replays) == 2 and not _graphs()
+
+
+def test_no_replay_on_another_stream(monkeypatch, gen, device):
+    """A graph replays only on the stream it was captured for: calls of its signature on another
+    stream run the plan (and give its bits), and the graph serves its own stream again after."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for _ in range(5):
+        _call(case, GRAPHS)
+    assert len(replays) == 1
+    other = torch.cuda.Stream(device=device)
+    other.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(other):
+        for _ in range(3):
+            fresh_values(case, gen, reignore=True)
+            graphed = _copies(_call(case, GRAPHS))
+            assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS)))
+    torch.cuda.current_stream(device).wait_stream(other)
+    assert len(replays) == 1
+    _call(case, GRAPHS)
     assert len(replays) == 2
+
+
+def test_a_callers_own_capture_runs_the_plan_inside_it(monkeypatch, gen, device):
+    """With a graph of the signature already kept, a caller capturing the op in a graph of its own
+    (torch.cuda.graph, reduce-overhead) records the op's launches, not a replay of ours: its
+    replays follow new labels and values as the op called eagerly does."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for _ in range(5):
+        _call(case, GRAPHS)
+    assert len(replays) == 1 and len(_graphs()) == 1
+    static = {"hidden": case.hidden, "weight": case.weight, "labels": case.labels}
+
+    def step():
+        loss = call_op(case, tuning=GRAPHS)
+        (loss * 1.7).backward()
+        return loss.detach()
+
+    replay = capture_step(step, static, ("hidden", "weight"))
+    for _ in range(3):
+        fresh_values(case, gen, reignore=True)
+        values = {name: t.detach().clone() for name, t in static.items()}
+        (loss,), grads = replay(values)
+        eager_loss, *eager_grads = _copies(_call(case, NO_GRAPHS))
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-3, atol=1e-3)
+        for name, expected in zip(("hidden", "weight"), eager_grads, strict=True):
+            torch.testing.assert_close(grads[name], expected, rtol=2e-2, atol=1e-4)
+    assert len(replays) == 1  # none inside the capture
 
 
 def test_a_bad_label_still_raises(gen, device):
@@ -163,7 +223,7 @@ def test_a_bad_label_still_raises(gen, device):
     case = _case(gen, device)
     for _ in range(5):
         _call(case, GRAPHS)
-    assert any(isinstance(v, plan_graph.PlanGraph) for v in plan_graph._ENTRIES.values())
+    assert len(_graphs()) == 1
     case.labels[3] = V
     with raises_by_step(IndexError):
         _call(case, GRAPHS)
@@ -177,7 +237,7 @@ def test_graphs_off_by_default_turned_off_or_on_the_cpu_make_none(monkeypatch, g
     for tuning in tunings:
         for _ in range(6):
             _call(case, tuning)
-    assert len(runs) >= 3 * len(tunings) and not plan_graph._ENTRIES  # planned, never captured
+    assert len(runs) >= 3 * len(tunings) and not plan_graph._GRAPHS.entries  # planned, never captured
 
 
 def test_at_most_a_few_graphs_are_kept(gen, device):
@@ -186,7 +246,166 @@ def test_at_most_a_few_graphs_are_kept(gen, device):
         case = make_case(gen, (n,), H, V, dtype=torch.bfloat16, device=device, ignore="mixed")
         for _ in range(4):
             _call(case, GRAPHS)
-    graphs = [v for v in plan_graph._ENTRIES.values() if isinstance(v, plan_graph.PlanGraph)]
-    assert len(graphs) == plan_graph._MAX_GRAPHS
+    assert len(_graphs()) == plan_graph._MAX_GRAPHS
     plan_graph.forget()
-    assert not plan_graph._ENTRIES
+    assert not plan_graph._GRAPHS.entries
+
+
+# ``GraphCache``'s bookkeeping with stand-ins: a plan that counts its runs, graphs that count their
+# replays, and "streams" that are plain values.
+
+
+class _Plan:
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run(self, hidden, weight, labels, coef, opts):
+        self.runs += 1
+        return "run"
+
+
+class _Graph:
+    """A stand-in graph: serves its stream and weight unless ``held``; ``fail`` makes capture raise."""
+
+    made: list = []
+    fail: BaseException | None = None
+
+    def __init__(self, plan, hidden, weight, labels, coef, opts, stream) -> None:
+        if _Graph.fail is not None:
+            raise _Graph.fail
+        self.plan, self.weight, self.stream, self.held, self.replays = plan, weight, stream, False, 0
+        _Graph.made.append(self)
+
+    def serves(self, weight, stream) -> bool:
+        return weight.data_ptr() == self.weight.data_ptr() and stream == self.stream and not self.held
+
+    def replay(self, hidden, labels, coef):
+        self.replays += 1
+        return "replay"
+
+
+@pytest.fixture
+def cache():
+    _Graph.made, _Graph.fail = [], None
+    return GraphCache(_Graph)
+
+
+def _weight() -> torch.Tensor:
+    """A stand-in weight: only its address is read (the test keeps it alive while it matters)."""
+    return torch.empty(8)
+
+
+def _calls(cache, plan, key, weight, n, stream="s0") -> list:
+    return [cache.run(plan, key, None, weight, None, None, None, stream) for _ in range(n)]
+
+
+def test_the_second_run_at_one_address_captures_and_later_calls_replay(cache):
+    plan, weight = _Plan(), _weight()
+    assert _calls(cache, plan, "k", weight, 5) == ["run", "run", "replay", "replay", "replay"]
+    assert plan.runs == 2 and len(_Graph.made) == 1 and _Graph.made[0].stream == "s0"
+
+
+def test_a_weight_that_moves_at_every_call_is_never_captured(cache):
+    plan, weights = _Plan(), [_weight() for _ in range(6)]
+    for weight in weights:
+        _calls(cache, plan, "k", weight, 1)
+    assert plan.runs == 6 and not _Graph.made
+
+
+def test_refusals_in_a_row_drop_the_graph_for_good(cache):
+    plan, weight = _Plan(), _weight()
+    _calls(cache, plan, "k", weight, 3)
+    assert _calls(cache, plan, "k", weight, plan_graph._MAX_MISSES - 1, stream="s1") == ["run"] * 7
+    assert _calls(cache, plan, "k", weight, 1) == ["replay"]  # a replay ends the run of refusals
+    assert _calls(cache, plan, "k", weight, plan_graph._MAX_MISSES, stream="s1") == ["run"] * 8
+    assert not cache.graphs()
+    assert _calls(cache, plan, "k", weight, 4) == ["run"] * 4 and len(_Graph.made) == 1
+
+
+def test_a_held_output_refuses_the_replay(cache):
+    plan, weight = _Plan(), _weight()
+    _calls(cache, plan, "k", weight, 2)
+    _Graph.made[0].held = True
+    assert _calls(cache, plan, "k", weight, 2) == ["run", "run"]
+    _Graph.made[0].held = False
+    assert _calls(cache, plan, "k", weight, 1) == ["replay"]
+
+
+def test_the_least_recently_replayed_graph_makes_room_and_may_come_back(cache):
+    plans, weight = {k: _Plan() for k in range(plan_graph._MAX_GRAPHS + 1)}, _weight()
+    for k in range(plan_graph._MAX_GRAPHS):
+        _calls(cache, plans[k], k, weight, 2)
+    for k in (0, 2, 3):  # 1 is the least recently replayed
+        _calls(cache, plans[k], k, weight, 1)
+    _calls(cache, plans[4], 4, weight, 2)
+    assert {g.plan for g in cache.graphs()} == {plans[k] for k in (0, 2, 3, 4)}
+    assert _calls(cache, plans[1], 1, weight, 3) == ["run", "run", "replay"]  # captured again
+    assert len(cache.graphs()) == plan_graph._MAX_GRAPHS and plans[0] not in {g.plan for g in cache.graphs()}
+
+
+def test_signatures_taking_turns_stop_capturing(cache):
+    """More signatures than graphs, each called in turn: each is captured at most a few times."""
+    plans, weight = {k: _Plan() for k in range(plan_graph._MAX_GRAPHS + 1)}, _weight()
+    for _ in range(4 * plan_graph._MAX_CAPTURES):
+        for k, plan in plans.items():
+            _calls(cache, plan, k, weight, 2)
+    assert len(_Graph.made) <= len(plans) * plan_graph._MAX_CAPTURES
+
+
+def test_a_failed_capture_leaves_the_signature_to_its_plan(cache):
+    plan, weight = _Plan(), _weight()
+    _Graph.fail = RuntimeError("operation not permitted when stream is capturing")
+    assert _calls(cache, plan, "k", weight, 2) == ["run", "run"]  # the call's own result
+    _Graph.fail = None
+    assert _calls(cache, plan, "k", weight, 4) == ["run"] * 4 and not _Graph.made
+
+
+def test_running_out_of_memory_in_a_capture_drops_every_graph(cache):
+    weight = _weight()
+    _calls(cache, _Plan(), "a", weight, 2)
+    assert len(cache.graphs()) == 1
+    _Graph.fail = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    assert _calls(cache, _Plan(), "b", weight, 2) == ["run", "run"]
+    assert not cache.graphs()
+
+
+def test_a_plan_made_anew_is_not_replayed_from_the_old_ones_graph(cache):
+    weight, old, new = _weight(), _Plan(), _Plan()
+    _calls(cache, old, "k", weight, 2)
+    assert _calls(cache, new, "k", weight, 3) == ["run", "run", "replay"]
+    assert cache.graphs()[0].plan is new
+
+
+def test_the_signatures_noted_are_bounded(cache):
+    for k in range(plan_graph._MAX_ENTRIES + 5):
+        _calls(cache, _Plan(), k, _weight(), 1)
+    assert len(cache.entries) == plan_graph._MAX_ENTRIES and 0 not in cache.entries
+
+
+def test_one_caller_at_a_time_checks_and_replays(cache):
+    """Threads calling one signature: no replay starts while another is between its check that
+    nothing holds the outputs and its replay (a graph marks itself held for that time)."""
+    plan, weight = _Plan(), _weight()
+    _calls(cache, plan, "k", weight, 2)
+    graph, overlaps = _Graph.made[0], []
+    serves = graph.serves
+
+    def slow_serves(weight, stream):  # another thread runs between this check and the replay
+        ok = serves(weight, stream)
+        time.sleep(1e-4)
+        return ok
+
+    def replay(hidden, labels, coef):
+        overlaps.append(graph.held)
+        graph.held = True
+        time.sleep(1e-4)
+        graph.held, graph.replays = False, graph.replays + 1
+        return "replay"
+
+    graph.serves, graph.replay = slow_serves, replay
+    threads = [threading.Thread(target=_calls, args=(cache, plan, "k", weight, 50)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not any(overlaps) and graph.replays == 200 and plan.runs == 2
