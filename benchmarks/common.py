@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: shapes, inputs, timing, memory measuring, result files and
-the process-per-variant runner.
+"""What the benchmark scripts share: shapes, inputs, timing, memory measuring, result files (and
+the commit they name), the label checks a probe queues, and the process-per-variant runner.
 
 Used by the kept suite (``flce.py``, ``distill.py``, ``e2e*.py``, ``distributed_gpu.py``, ...)
 and by the probes in ``experiments/`` (which put this folder on ``sys.path`` to import it).
@@ -18,8 +18,12 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from liger_patch.ops.core.validation import ValueCheck
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -229,6 +233,28 @@ def write_json(path: str | Path, data: object, indent: int = 1) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=indent))
+
+
+def git_head() -> str | None:
+    """The checked-out commit (``git rev-parse --short HEAD``), or ``None`` without git or outside
+    a checkout: what a probe's result file names as its commit when ``--commit`` is not given."""
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+PENDING_CHECKS: list[ValueCheck] = []  # label checks a probe queued while timing, read after it
+
+
+def read_checks() -> None:
+    """Wait for the answer of every check in ``PENDING_CHECKS`` (raising for a bad label) and
+    empty it: the probes that queue the op's deferred check themselves read it between timings,
+    as the op reads its own, so that the wait is not timed."""
+    while PENDING_CHECKS:
+        PENDING_CHECKS.pop().result()
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:

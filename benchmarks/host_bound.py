@@ -204,6 +204,26 @@ def ours_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) 
     return lp.fused_linear_cross_entropy(hidden, weight, labels)
 
 
+def ours_with_graphs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The op with ``Tuning(call_graphs=True)``: its plan's launches replayed as a CUDA graph of
+    its own (``cross_entropy/plan_graph.py``; off by default), for the probes that weigh graphs."""
+    return _ours_tuned(hidden, weight, labels, call_graphs=True)
+
+
+def ours_ungraphed(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The op with ``Tuning(call_graphs=False)``: its plan's launches issued at every call, the
+    other side of ``ours_with_graphs`` whatever the default."""
+    return _ours_tuned(hidden, weight, labels, call_graphs=False)
+
+
+def _ours_tuned(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **tuning) -> torch.Tensor:
+    """The op with ``Tuning(**tuning)``, made at each call."""
+    from liger_patch.ops.core.tuning import Tuning
+    from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(**tuning))
+
+
 def host_time(call: Callable[[], object], backlog: Backlog, device: str) -> tuple[float, bool]:
     """Host ms of ``call()`` queued behind the backlog (timed without synchronising), and whether
     the backlog was still running when it returned (always ``False`` on the CPU)."""

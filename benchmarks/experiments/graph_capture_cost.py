@@ -21,18 +21,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
-from host_bound import Backlog, host_time  # noqa: E402
+from common import environment, fwd_bwd, make_inputs, need_cuda, write_json  # noqa: E402
+from host_bound import Backlog, host_time, ours_with_graphs  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks  # noqa: E402
-from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 from liger_patch.ops.cross_entropy import one_chunk  # noqa: E402
-from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy  # noqa: E402
-
-
-def ours_with_graphs(hidden, weight, labels):
-    """The op with ``Tuning(call_graphs=True)`` (off by default since 9726c01's successor)."""
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=True))
 
 
 def main() -> None:
@@ -64,8 +57,7 @@ def main() -> None:
                         {"N": n, "H": h, "V": v, "call": i, "host_ms": round(ms, 3), "gpu_still_busy": busy}
                     )
                     print(json.dumps(rows[-1]), flush=True)
-    result = {**environment(), "commit": args.commit, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, {**environment(), "commit": args.commit, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,19 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
+from common import environment, fwd_bwd, make_inputs, need_cuda, write_json  # noqa: E402
+from host_bound import ours_ungraphed, ours_with_graphs  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks  # noqa: E402
-from liger_patch.ops.core.tuning import Tuning  # noqa: E402
-from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy  # noqa: E402
-
-
-def ours_with_graphs(hidden, weight, labels):
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=True))
-
-
-def ours_ungraphed(hidden, weight, labels):
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=False))
 
 
 def _timed(fn, hidden, weight, labels) -> tuple[float, float]:
@@ -82,8 +73,7 @@ def main() -> None:
             row[f"{name}_wall_ms"] = round(statistics.median(wall[name]), 4)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {**environment(), "commit": args.commit, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, {**environment(), "commit": args.commit, "rows": rows})
 
 
 if __name__ == "__main__":

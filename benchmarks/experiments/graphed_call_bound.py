@@ -36,33 +36,37 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
-from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms, wall_time  # noqa: E402
+from common import (  # noqa: E402
+    PENDING_CHECKS,
+    environment,
+    fwd_bwd,
+    git_head,
+    make_inputs,
+    need_cuda,
+    read_checks,
+    write_json,
+)
+from host_bound import (  # noqa: E402
+    Backlog,
+    eager_loss,
+    host_time,
+    ours_loss,
+    ours_ungraphed,
+    ours_with_graphs,
+    steady_host_ms,
+    wall_time,
+)
 
 from liger_patch.ops.core import deferred_checks, validation  # noqa: E402
 from liger_patch.ops.core.triton.label_check import label_check  # noqa: E402
-from liger_patch.ops.core.tuning import Tuning  # noqa: E402
-from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy  # noqa: E402
 
 IGNORE = -100
-_CHECKS: list[validation.ValueCheck] = []  # the checks queued after replays, read after the timing
-
-
-def ours_with_graphs(hidden, weight, labels):
-    """The op with ``Tuning(call_graphs=True)``: its plan's launches replayed as a graph of its own."""
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=True))
-
-
-def ours_ungraphed(hidden, weight, labels):
-    """The op with ``Tuning(call_graphs=False)``: its plan's launches issued at every call."""
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=False))
 
 
 def _loss_and_stats(hidden, weight, labels):
@@ -79,15 +83,10 @@ def _checked(graphed):
         for t in (hidden, weight, labels, hidden, weight):  # five storages, as a design's outputs
             torch._C._storage_Use_Count(t.untyped_storage()._cdata)
         loss, stats = graphed(hidden, weight, labels)
-        _CHECKS.append(validation.check_from_stats(labels, weight.shape[0], IGNORE, None, stats))
+        PENDING_CHECKS.append(validation.check_from_stats(labels, weight.shape[0], IGNORE, None, stats))
         return loss
 
     return call
-
-
-def _read_checks() -> None:
-    while _CHECKS:
-        _CHECKS.pop().result()
 
 
 def _input_sets(n: int, h: int, v: int):
@@ -153,26 +152,17 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
         for name, call in calls.items():
             one[name].append(host_time(call, backlog, "cuda")[0])
             wall[name].append(wall_time(call, "cuda"))
-            _read_checks()
+            read_checks()
             deferred_checks.raise_pending()
     for _ in range(5):
         for name, call in calls.items():
             steady[name].append(steady_host_ms(call, backlog))
-            _read_checks()
+            read_checks()
     for name in calls:
         row[f"{name}_host_ms"] = round(statistics.median(one[name]), 4)
         row[f"{name}_steady_host_ms"] = round(statistics.median(steady[name]), 4)
         row[f"{name}_wall_ms"] = round(statistics.median(wall[name]), 4)
     return row
-
-
-def _git_head() -> str | None:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
 
 
 def main() -> None:
@@ -191,8 +181,7 @@ def main() -> None:
         n, h, v = (int(x) for x in shape.split(","))
         rows.append(measure(n, h, v, args.reps, backlog))
         print(json.dumps(rows[-1]), flush=True)
-    result = {**environment(), "commit": args.commit or _git_head(), "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, {**environment(), "commit": args.commit or git_head(), "rows": rows})
     names = ("eager", "ours", "ours_ungraphed", "ours_graphed", "ours_graphed_checked", "eager_graphed")
     print("\n| N × H × V | host ms one call | ten in a row, per call | wall ms |")
     print("|---|---|---|---|")

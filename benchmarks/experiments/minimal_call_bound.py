@@ -30,14 +30,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
-from common import environment, fwd_bwd, make_inputs, need_cuda  # noqa: E402
+from common import (  # noqa: E402
+    PENDING_CHECKS,
+    environment,
+    fwd_bwd,
+    git_head,
+    make_inputs,
+    need_cuda,
+    read_checks,
+    write_json,
+)
 from host_bound import Backlog, eager_loss, host_time, ours_loss, steady_host_ms  # noqa: E402
 
 from liger_patch.ops.core import deferred_checks, validation  # noqa: E402
@@ -53,7 +61,6 @@ from liger_patch.ops.cross_entropy.triton.rows import ce_rows_triton  # noqa: E4
 OPTS = LossOptions()
 UNPLANNED = Tuning(call_plans=False)
 IGNORE = -100
-_CHECKS: list[validation.ValueCheck] = []  # the label checks queued, read after the timing
 
 
 class _Minimal(torch.autograd.Function):
@@ -66,7 +73,7 @@ class _Minimal(torch.autograd.Function):
         vocab = weight.shape[0]
         checked = static if check == "none" else label_check(labels, vocab, IGNORE, "mean")
         if check == "full":
-            _CHECKS.append(validation.check_from_stats(labels, vocab, IGNORE, None, checked.stats))
+            PENDING_CHECKS.append(validation.check_from_stats(labels, vocab, IGNORE, None, checked.stats))
         logits = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype, device=hidden.device)
         partials = logits_with_partials(hidden, weight, None, OPTS, logits)
         weights = checked.row_weight
@@ -92,11 +99,6 @@ def minimal_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return _Minimal.apply(hidden, weight, labels)
 
 
-def _read_checks() -> None:
-    while _CHECKS:
-        _CHECKS.pop().result()
-
-
 def _differences(hidden, weight, labels) -> dict:
     """The minimal sequence against the op: largest absolute differences."""
     out = {}
@@ -104,7 +106,7 @@ def _differences(hidden, weight, labels) -> dict:
         loss = fwd_bwd(fn, hidden, weight, labels)
         out[name] = (loss.detach().clone(), hidden.grad.clone(), weight.grad.clone())
     torch.cuda.synchronize()
-    _read_checks()
+    read_checks()
     deferred_checks.raise_pending()
     keys = ("loss", "grad_hidden", "grad_weight")
     return {
@@ -142,25 +144,16 @@ def measure(n: int, h: int, v: int, reps: int, backlog: Backlog) -> dict:
     for _ in range(reps):
         for name, call in calls.items():
             one[name].append(host_time(call, backlog, "cuda")[0])
-            _read_checks()
+            read_checks()
             deferred_checks.raise_pending()
     for _ in range(5):
         for name, call in calls.items():
             steady[name].append(steady_host_ms(call, backlog))
-            _read_checks()
+            read_checks()
     for name in calls:
         row[f"{name}_host_ms"] = round(statistics.median(one[name]), 4)
         row[f"{name}_steady_host_ms"] = round(statistics.median(steady[name]), 4)
     return row
-
-
-def _git_head() -> str | None:
-    try:
-        cmd = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip()
 
 
 def main() -> None:
@@ -179,8 +172,7 @@ def main() -> None:
         n, h, v = (int(x) for x in shape.split(","))
         rows.append(measure(n, h, v, args.reps, backlog))
         print(json.dumps(rows[-1]), flush=True)
-    result = {**environment(), "commit": args.commit or _git_head(), "rows": rows}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, {**environment(), "commit": args.commit or git_head(), "rows": rows})
     head = "| N × H × V | eager | ours | unplanned | minimal | minimal − eager | no copy | no check |"
     print(f"\n{head} ten in a row: eager / ours / unplanned / minimal |")
     print("|---|---|---|---|---|---|---|---|---|")
