@@ -352,11 +352,11 @@ def segment(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, ste
 
 
 @contextlib.contextmanager
-def ours_applied(model: torch.nn.Module) -> Iterator[None]:
-    """The model patched by ``apply_liger_to`` on the instance, reverted on exit."""
+def ours_applied(model: torch.nn.Module, **options) -> Iterator[None]:
+    """The model patched by ``apply_liger_to`` on the instance (with ``options``), reverted on exit."""
     import liger_patch as lp
 
-    lp.apply_liger_to(model)
+    lp.apply_liger_to(model, **options)
     try:
         yield
     finally:

@@ -1,0 +1,145 @@
+"""Probe: what the op's own graphs do to a training step's time and peak memory (issue 43).
+
+``Tuning.call_graphs`` is off by default because the memory a graph keeps between calls (its
+pool: the logits chunk, partials, row results and gradients, grad_W included) is not counted
+against the budget. This weighs it where it matters, in whole steps of ``host_bound.py``'s
+models (random init, bf16, fused AdamW at learning rate 0, one 1 x tokens sequence, ``--ignored``
+of it ignored), three variants: unpatched, patched, and patched with
+``tuning=Tuning(call_graphs=True)``.
+
+* Time: ``host_bound.py``'s method. Every variant warmed up, then ``--rounds`` rounds of one
+  segment a variant (three steps each, timed from a synchronised start to a synchronised end, the
+  first untimed), the order reversed every other round; the median step ms, and the paired
+  ratio against unpatched. The graphs of the graphs variant stay made while the others run.
+* Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
+  graph is made) and then three with the peak statistics reset: the peak allocated and reserved
+  GiB of those three, and for the graphs variant how many graphs were kept and replays run.
+
+    python benchmarks/experiments/graph_step_cost.py \
+        --out benchmarks/experiments/results/graph_step_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for common, host_bound
+from common import environment, git_head, need_cuda, write_json  # noqa: E402
+from host_bound import (  # noqa: E402
+    GPU_PLAN,
+    LR,
+    build_model,
+    free_memory,
+    make_batch,
+    ours_applied,
+    segment,
+    synchronize,
+)
+
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
+from liger_patch.ops.cross_entropy import plan_graph  # noqa: E402
+
+GiB = float(1 << 30)
+
+
+def variants(model: torch.nn.Module) -> dict:
+    return {
+        "unpatched": contextlib.nullcontext,
+        "patched": partial(ours_applied, model),
+        "graphs": partial(ours_applied, model, tuning=Tuning(call_graphs=True)),
+    }
+
+
+def replay_counter() -> list:
+    """Counts every replay of the op's graphs (for the row's record)."""
+    calls, real = [], plan_graph.PlanGraph.replay
+
+    def counted(self, *args):
+        calls.append(None)
+        return real(self, *args)
+
+    plan_graph.PlanGraph.replay = counted
+    return calls
+
+
+def timed(model, opt, batch, kinds: dict, rounds: int) -> dict:
+    """Median step ms of each variant and the paired ratios against unpatched."""
+    for enter in kinds.values():
+        with enter():
+            segment(model, opt, batch, 3, "cuda")
+    runs = {kind: [] for kind in kinds}
+    for round_ in range(rounds):
+        order = list(kinds.items())
+        for kind, enter in order if round_ % 2 == 0 else reversed(order):
+            with enter():
+                runs[kind].append(statistics.median(segment(model, opt, batch, 3, "cuda")["ms"][1:]))
+    out = {f"{kind}_step_ms": statistics.median(ms) for kind, ms in runs.items()}
+    for kind in ("patched", "graphs"):
+        pairs = zip(runs["unpatched"], runs[kind], strict=True)
+        out[f"{kind}_paired_ratio"] = statistics.median(k / u for u, k in pairs)
+    return out
+
+
+def peak(model, opt, batch, enter, replays: list) -> dict:
+    """Peak allocated and reserved GiB of three steps after four, from no graph and an emptied cache."""
+    plan_graph.forget()
+    free_memory()
+    with enter():
+        segment(model, opt, batch, 4, "cuda")
+        synchronize("cuda")
+        torch.cuda.reset_peak_memory_stats()
+        before = len(replays)
+        segment(model, opt, batch, 3, "cuda")
+        synchronize("cuda")
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+        "graphs_kept": len(plan_graph._GRAPHS.graphs()),
+        "replays": len(replays) - before,
+    }
+
+
+def model_rows(name: str, tokens_list: list[int], ignored: float, rounds: int, replays: list):
+    family, config = GPU_PLAN.models[name]
+    model = build_model(family, config, GPU_PLAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    for tokens in tokens_list:
+        batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
+        kinds = variants(model)
+        row = {"model": name, "tokens": tokens, "ignored": ignored}
+        row.update(timed(model, opt, batch, kinds, rounds))
+        for kind, enter in kinds.items():
+            row.update({f"{kind}_{k}": v for k, v in peak(model, opt, batch, enter, replays).items()})
+        print(row, flush=True)
+        yield row
+    del model, opt
+    plan_graph.forget()
+    free_memory()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.2-1b"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[256, 1024, 4096])
+    parser.add_argument("--ignored", type=float, default=0.25)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    if not need_cuda("graph_step_cost.py"):
+        raise SystemExit(2)
+    replays = replay_counter()
+    rows = [r for m in args.models for r in model_rows(m, args.tokens, args.ignored, args.rounds, replays)]
+    head = {**environment("transformers"), "commit": args.commit or git_head()}
+    write_json(args.out, {**head, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
