@@ -20,13 +20,14 @@ head before the label check) takes ``run_chunks``. ``Tuning.call_plans`` turns t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from liger_patch import env
-from liger_patch.ops.core.bounded import keep_bounded
+from liger_patch.ops.core.bounded import keep_bounded, touched
 from liger_patch.ops.core.budget import ChunkPlan
 from liger_patch.ops.core.contexts import autocast_off, without_grad
 from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
@@ -155,16 +156,16 @@ class OneChunk:
         return ChunkResult(ce, lse, grad_hidden, grad_weight, None)
 
 
-_PLANS: dict[tuple, OneChunk | object | None] = {}
-"""signature -> its plan, ``None`` (its calls take ``run_chunks``) or ``_SEEN_ONCE``; the oldest
-entry goes first when full."""
+_PLANS: OrderedDict[tuple, OneChunk | object | None] = OrderedDict()
+"""signature -> its plan, ``None`` (its calls take ``run_chunks``) or ``_SEEN_ONCE``, in order of
+use (``bounded``): the least recently used goes first when full."""
 _SEEN_ONCE, _ABSENT = object(), object()
 
 
 def planned(key: tuple | None, backend: RowBackend) -> OneChunk | None:
     """The plan made for ``key``'s calls on ``backend``, or ``None``: no key, no plan made (yet), or
     one made for another record that had the same ``id`` (a record a test built and dropped)."""
-    found = None if key is None else _PLANS.get(key)
+    found = None if key is None else touched(_PLANS, key)
     return found if isinstance(found, OneChunk) and found.backend is backend else None
 
 

@@ -8,7 +8,9 @@ item 66). ``run`` does this for a plain eager call on CUDA:
 
 * The plan's first run notes where the weight is. A later run that finds it there again first
   runs as usual (its own results), then captures the same launches into a graph on a side stream
-  (nothing runs during a capture), reading hidden states, labels and row weights of its own.
+  (after one warm-up run there: what a stream and thread set up at their first use, such as
+  cuBLAS's workspace, must not be captured), reading hidden states, labels and row weights of its
+  own.
 * Each later call on the stream the graph was captured for copies its hidden states, labels and
   row weights into the graph's, replays it, and returns the graph's outputs as new tensors that
   share their storage: the same kernels on the same values, so the same bits as ``plan.run``.
@@ -17,22 +19,27 @@ item 66). ``run`` does this for a plain eager call on CUDA:
   accumulated in grad_W's buffer, a loss kept from an earlier call), while the weight is not where
   the graph reads it (FSDP2 and ZeRO-3 gather it anew), and on any other stream (whose work the
   caller need not order after the graph's). After ``_MAX_MISSES`` refusals in a row the graph is
-  dropped and its signature is not captured again.
+  dropped and its signature is not captured again. The use counts see only what the host holds:
+  a caller that reads an output on another stream must keep it until that work is done
+  (``record_stream`` does not guard a graph's pool).
 
 ``GraphCache`` keeps that bookkeeping behind one lock, so that the check that no output is held
 and the replay that rewrites them are one step for every thread. What a graph keeps between calls
 is its own memory pool: the plan's logits chunk, its row results and gradients. At most
 ``_MAX_GRAPHS`` are kept: a new one drops the least recently replayed, which may be captured
 again (at most ``_MAX_CAPTURES`` times, so that more signatures than graphs taking turns do not
-capture at every call); a capture that fails leaves its signature to the plan for good, and one
-that runs out of memory also drops every graph. ``Tuning.call_graphs`` turns graphs on (off by
-default: see its docstring); a call made while a graph is being captured by the caller, or on the
-CPU, never uses them.
+capture at every call); a capture that fails leaves its signature to the plan (with a warning),
+and one that runs out of memory also drops every graph. What is known of a signature lasts while
+it is among the ``_MAX_ENTRIES`` signatures called last (``bounded``). ``Tuning.call_graphs``
+turns graphs on (off by default: see its docstring); a call made while a graph is being captured
+by the caller, or on the CPU, never uses them.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,7 +47,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core.bounded import keep_bounded
+from liger_patch.ops.core.bounded import keep_bounded, touched
 from liger_patch.ops.cross_entropy.chunk_call import ChunkResult
 from liger_patch.ops.cross_entropy.options import LossOptions
 
@@ -80,16 +87,15 @@ def _static_like(t: Tensor) -> Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # made under ``GraphCache``'s lock
 
 
-def _side_stream(device: torch.device) -> tuple[torch.cuda.Stream, bool]:
-    """The stream graphs are captured on for ``device`` (made once), and whether it is new."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream graphs are captured on for ``device``, made once."""
     side = _SIDE_STREAMS.get(device)
-    if side is not None:
-        return side, False
-    side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return side, True
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return side
 
 
 class PlanGraph:
@@ -97,27 +103,42 @@ class PlanGraph:
     its input buffers, its outputs (a ``ChunkResult`` of its pool's tensors) and their storages'
     use counts when nothing but the graph held them."""
 
-    def __init__(self, plan: OneChunk, hidden, weight, labels, coef, opts: LossOptions, stream) -> None:
+    def __init__(
+        self,
+        plan: OneChunk,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        coef: Tensor | None,
+        opts: LossOptions,
+        stream: torch.cuda.Stream,
+    ) -> None:
         self.plan, self.stream, self.weight_ptr = plan, stream, weight.data_ptr()
         self.hidden, self.labels = _static_like(hidden), _static_like(labels)
         self.coef = None if coef is None else _static_like(coef)
-        self._copy_in(hidden, labels, coef)  # valid values for the warm-up below
-        side, new = _side_stream(hidden.device)
+        self._copy_in(hidden, labels, coef)  # valid values for the warm-up
+        side = _side_stream(hidden.device)
         side.wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            if new:  # what a stream sets up at its first use (cuBLAS's workspace) is not captured
-                plan.run(self.hidden, weight, self.labels, self.coef, opts)
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.result = plan.run(self.hidden, weight, self.labels, self.coef, opts)
-            finally:
-                self.graph.capture_end()
-        stream.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                self.result = self._captured(weight, opts)
+        finally:
+            stream.wait_stream(side)  # the warm-up's work
         self.outputs = [t for t in vars(self.result).values() if t is not None and t.numel()]
         self.counts = [_use_count(t) for t in self.outputs]
 
-    def serves(self, weight: Tensor, stream) -> bool:
+    def _captured(self, weight: Tensor, opts: LossOptions) -> ChunkResult:
+        """The plan run once on the current (side) stream, then captured there: its outputs."""
+        args = (self.hidden, weight, self.labels, self.coef, opts)
+        self.plan.run(*args)  # what this stream and thread set up at first use is not captured
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            return self.plan.run(*args)
+        finally:
+            self.graph.capture_end()
+
+    def serves(self, weight: Tensor, stream: torch.cuda.Stream) -> bool:
         """Whether a replay may run now: on the graph's stream, the weight where the graph reads
         it, and no output held by anything but the graph."""
         if weight.data_ptr() != self.weight_ptr or stream != self.stream:
@@ -139,7 +160,7 @@ class PlanGraph:
 
 
 @dataclass
-class Signature:
+class Entry:
     """What ``GraphCache`` knows of one signature: its graph, where its plan's last run found the
     weight (no graph yet), how often it was captured, its refusals in a row, its last replay."""
 
@@ -157,16 +178,26 @@ class GraphCache:
 
     def __init__(self, capture: Callable[..., Graph]) -> None:
         self.capture = capture
-        self.entries: dict[tuple, Signature] = {}
+        self.entries: OrderedDict[tuple, Entry] = OrderedDict()
         self.lock = threading.Lock()
         self.clock = 0
 
-    def run(self, plan: OneChunk, key: tuple, hidden, weight, labels, coef, opts, stream) -> ChunkResult:
+    def run(
+        self,
+        plan: OneChunk,
+        key: tuple,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        coef: Tensor | None,
+        opts: LossOptions,
+        stream: Any,
+    ) -> ChunkResult:
         """``plan.run``'s result for a call of signature ``key`` on ``stream``: replayed from its
         graph where one serves it, else run (and captured, the second time in a row the weight is
         found in one place)."""
         with self.lock:
-            entry = self.entries.get(key)
+            entry = touched(self.entries, key)
             graphed = entry is not None and entry.graph is not None and entry.graph.plan is plan
             if graphed and entry.graph.serves(weight, stream):
                 self.clock += 1
@@ -182,14 +213,17 @@ class GraphCache:
 
     def graphs(self) -> list[Graph]:
         """The graphs kept now."""
-        return [e.graph for e in self.entries.values() if e.graph is not None]
+        with self.lock:
+            return [e.graph for e in self.entries.values() if e.graph is not None]
 
     def forget(self) -> None:
         """Drop every graph and what the plans' runs noted."""
         with self.lock:
             self.entries.clear()
 
-    def _missed(self, entry: Signature) -> None:
+    def _missed(self, entry: Entry) -> None:
+        """A replay refused: the graph dropped, and its signature not captured again, at the
+        ``_MAX_MISSES``-th in a row."""
         entry.misses += 1
         if entry.misses >= _MAX_MISSES:  # the weight keeps moving, or the outputs stay held
             entry.graph, entry.captures = None, _MAX_CAPTURES
@@ -200,9 +234,12 @@ class GraphCache:
         weight_ptr = inputs[1].data_ptr()
         entry = self.entries.get(key)
         if entry is None:
-            keep_bounded(self.entries, key, Signature(weight_ptr=weight_ptr), _MAX_ENTRIES)
+            keep_bounded(self.entries, key, Entry(weight_ptr=weight_ptr), _MAX_ENTRIES)
             return
-        entry.graph = None  # made for a plan since replaced, if any
+        if entry.graph is not None:
+            if entry.graph.plan is plan:  # captured by another thread since this call looked
+                return
+            entry.graph = None  # made for a plan since replaced
         if entry.captures >= _MAX_CAPTURES:
             return
         if entry.weight_ptr != weight_ptr:
@@ -210,7 +247,7 @@ class GraphCache:
             return
         self._capture(entry, plan, inputs)
 
-    def _capture(self, entry: Signature, plan: OneChunk, inputs: tuple) -> None:
+    def _capture(self, entry: Entry, plan: OneChunk, inputs: tuple) -> None:
         """``entry``'s graph; then the least recently replayed graph beyond ``_MAX_GRAPHS`` dropped."""
         entry.captures, entry.weight_ptr = entry.captures + 1, None
         try:
@@ -220,8 +257,14 @@ class GraphCache:
                 other.graph = None
             entry.captures = _MAX_CAPTURES
             return
-        except Exception:  # something in the plan cannot be captured here: its calls run the plan
+        except Exception as error:  # something in the plan cannot be captured here
             entry.captures = _MAX_CAPTURES
+            warnings.warn(
+                f"liger_patch: a call plan could not be captured as a CUDA graph ({error!r}); "
+                "its calls run the plan's launches one by one",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         self.clock += 1
         entry.graph, entry.misses, entry.used = graph, 0, self.clock

@@ -180,7 +180,7 @@ def test_no_replay_on_another_stream(monkeypatch, gen, device):
     other = torch.cuda.Stream(device=device)
     other.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(other):
-        for _ in range(3):
+        for _ in range(3):  # the replay count below is the check; the bits show the call ran right
             fresh_values(case, gen, reignore=True)
             graphed = _copies(_call(case, GRAPHS))
             assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS)))
@@ -359,7 +359,8 @@ def test_signatures_taking_turns_stop_capturing(cache):
 def test_a_failed_capture_leaves_the_signature_to_its_plan(cache):
     plan, weight = _Plan(), _weight()
     _Graph.fail = RuntimeError("operation not permitted when stream is capturing")
-    assert _calls(cache, plan, "k", weight, 2) == ["run", "run"]  # the call's own result
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        assert _calls(cache, plan, "k", weight, 2) == ["run", "run"]  # the call's own result
     _Graph.fail = None
     assert _calls(cache, plan, "k", weight, 4) == ["run"] * 4 and not _Graph.made
 
@@ -384,6 +385,41 @@ def test_the_signatures_noted_are_bounded(cache):
     for k in range(plan_graph._MAX_ENTRIES + 5):
         _calls(cache, _Plan(), k, _weight(), 1)
     assert len(cache.entries) == plan_graph._MAX_ENTRIES and 0 not in cache.entries
+
+
+def test_a_signature_in_use_outlives_a_stream_of_new_ones(cache):
+    """Dynamic padding brings a new signature at every call: the one called at every step keeps
+    its graph, and one whose capture failed is not retried."""
+    plan, weight, failing = _Plan(), _weight(), _Plan()
+    _calls(cache, plan, "busy", weight, 2)
+    _Graph.fail = RuntimeError("not capturable")
+    with pytest.warns(RuntimeWarning):
+        _calls(cache, failing, "failed", weight, 2)
+    _Graph.fail = None
+    for k in range(3 * plan_graph._MAX_ENTRIES):
+        _calls(cache, _Plan(), ("padded", k), _weight(), 1)
+        if k % 64 == 0:
+            assert _calls(cache, plan, "busy", weight, 1) == ["replay"]
+            _calls(cache, failing, "failed", weight, 2)
+    assert len(_Graph.made) == 1 and failing.runs == 2 + 2 * 12
+
+
+def test_a_graph_captured_by_another_thread_meanwhile_is_kept(cache):
+    """Call B looks (no graph), runs its plan; meanwhile call A of the same signature captures;
+    B's bookkeeping after its run must keep A's graph."""
+    weight = _weight()
+
+    class Racing(_Plan):
+        def run(self, *args):
+            if self.runs == 1:  # B's run: A runs and captures inside it
+                self.runs += 1
+                cache.run(self, "k", None, weight, None, None, None, "s0")
+            return super().run(*args)
+
+    plan = Racing()
+    _calls(cache, plan, "k", weight, 1)  # notes the weight
+    _calls(cache, plan, "k", weight, 1)  # B, with A inside
+    assert len(cache.graphs()) == 1 and _calls(cache, plan, "k", weight, 1) == ["replay"]
 
 
 def test_one_caller_at_a_time_checks_and_replays(cache):
