@@ -69,6 +69,18 @@ def _graphs() -> list:
     return plan_graph._GRAPHS.graphs()
 
 
+def _graphed_case(monkeypatch, gen, device):
+    """A case whose signature has its graph, replayed once (its fifth call), and the replays'
+    record (``_replays``) from then on."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for _ in range(5):
+        _call(case, GRAPHS)
+    assert len(replays) == 1 and len(_graphs()) == 1
+    return case, replays
+
+
 OPTIONS = {
     "plain": {},
     "sum": {"reduction": "sum"},
@@ -140,12 +152,7 @@ def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):
     """A weight of the same signature at another address (as FSDP2 or ZeRO-3 gather it anew, with
     other values) runs the plan; the graph's own weight replays again afterwards; too many misses
     in a row drop the graph for good."""
-    _needs_gpu(device)
-    replays = _replays(monkeypatch)
-    case = _case(gen, device)
-    for _ in range(5):
-        _call(case, GRAPHS)
-    assert len(replays) == 1
+    case, replays = _graphed_case(monkeypatch, gen, device)
     original = case.weight
 
     def moved():
@@ -171,12 +178,7 @@ def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):
 def test_no_replay_on_another_stream(monkeypatch, gen, device):
     """A graph replays only on the stream it was captured for: calls of its signature on another
     stream run the plan (and give its bits), and the graph serves its own stream again after."""
-    _needs_gpu(device)
-    replays = _replays(monkeypatch)
-    case = _case(gen, device)
-    for _ in range(5):
-        _call(case, GRAPHS)
-    assert len(replays) == 1
+    case, replays = _graphed_case(monkeypatch, gen, device)
     other = torch.cuda.Stream(device=device)
     other.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(other):
@@ -194,12 +196,7 @@ def test_a_callers_own_capture_runs_the_plan_inside_it(monkeypatch, gen, device)
     """With a graph of the signature already kept, a caller capturing the op in a graph of its own
     (torch.cuda.graph, reduce-overhead) records the op's launches, not a replay of ours: its
     replays follow new labels and values as the op called eagerly does."""
-    _needs_gpu(device)
-    replays = _replays(monkeypatch)
-    case = _case(gen, device)
-    for _ in range(5):
-        _call(case, GRAPHS)
-    assert len(replays) == 1 and len(_graphs()) == 1
+    case, replays = _graphed_case(monkeypatch, gen, device)
     static = {"hidden": case.hidden, "weight": case.weight, "labels": case.labels}
 
     def step():
@@ -222,12 +219,8 @@ def test_a_callers_own_capture_runs_the_plan_inside_it(monkeypatch, gen, device)
     assert len(replays) == 1  # none inside the capture
 
 
-def test_a_bad_label_still_raises(gen, device):
-    _needs_gpu(device)
-    case = _case(gen, device)
-    for _ in range(5):
-        _call(case, GRAPHS)
-    assert len(_graphs()) == 1
+def test_a_bad_label_still_raises(monkeypatch, gen, device):
+    case, _ = _graphed_case(monkeypatch, gen, device)
     case.labels[3] = V
     with raises_by_step(IndexError):
         _call(case, GRAPHS)
