@@ -43,7 +43,12 @@ def causal_lm_loss(
             f"its loss reads vocab_size={vocab_size} but the head gives {logits.shape[-1]} logits per token"
         )
         return real_loss(logits.real(reason))
-    shifted = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shifted = shift_labels
+    if shifted is None:
+        ahead = logits._call.labels_ahead  # the same shift, begun before the body (labels_ahead.py)
+        shifted = None if ahead is None else ahead.targets_for(labels, ignore_index)
+    if shifted is None:
+        shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shifted.to(logits.device)
     if targets.numel() * logits.shape[-1] != logits.numel():
         raise ValueError(

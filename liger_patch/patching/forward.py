@@ -41,6 +41,7 @@ from liger_patch.patching.capture import HeadCapture
 from liger_patch.patching.causal_loss import causal_lm_loss
 from liger_patch.patching.deferred import replace_deferred
 from liger_patch.patching.head import fusable_head, unfusable_head_message
+from liger_patch.patching.labels_ahead import LabelsAhead, begin_labels_ahead
 from liger_patch.patching.lazy import lazy_imports
 from liger_patch.patching.seam import CapturedCall, LossRequest, LossResult
 from liger_patch.patching.sharded_head import fused_head_loss
@@ -94,6 +95,7 @@ class PatchLoss:
 
     state: PatchState
     flags: dict[str, bool]
+    labels_ahead: LabelsAhead | None = None
 
     def __call__(
         self,
@@ -108,7 +110,9 @@ class PatchLoss:
         per_call = self._per_call_options(request, logit_scale, softcap)
         self.state.fused_ran = True
         num_items_in_batch = request.num_items_in_batch
-        if torch.is_tensor(num_items_in_batch):
+        if self.labels_ahead is not None:  # the tensor its check was begun with
+            num_items_in_batch = self.labels_ahead.num_items_for(num_items_in_batch, hidden.device)
+        elif torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(hidden.device)
         result = fused_head_loss(
             head,
@@ -229,24 +233,31 @@ def fused_forward(
     path: str,
     head: nn.Module,
     flags: dict[str, bool] | None = None,
+    bound: dict[str, Any] | None = None,
 ) -> Any:
     """The fused path: ``run(model, *args, **kwargs)``, the model's own forward, with the module at
     ``path`` replaced by a capture of ``head`` (wearing the registered module's face) and the
     stock causal-LM loss swapped, both restored afterwards whatever happens; its losses come from
-    :class:`PatchLoss` (``flags``: the call's ``CALL_FLAGS``)."""
-    call = CapturedCall(compute_loss=PatchLoss(state, flags or {}))
+    :class:`PatchLoss` (``flags``: the call's ``CALL_FLAGS``). Where the stock loss is swapped,
+    the label check of the call's labels (``bound``: its arguments by name) is begun before the
+    body runs (``labels_ahead.py``)."""
+    swap_loss = _stock_causal_loss(model)
+    ahead = begin_labels_ahead(head, state, bound) if swap_loss and bound is not None else None
+    call = CapturedCall(compute_loss=PatchLoss(state, flags or {}, ahead), labels_ahead=ahead)
     parent, name = _parent_and_name(model, path)
     registered = parent._modules[name]
-    swap_loss = _stock_causal_loss(model)
     parent._modules[name] = HeadCapture(head, call, registered)
     if swap_loss:
         model.__dict__["_loss_function"] = causal_lm_loss
+    output = None
     try:
         output = run(model, *args, **kwargs)
     finally:
         parent._modules[name] = registered
         if swap_loss:
             delattr(model, "_loss_function")  # (not __dict__.pop: torch 2.11's dynamo cannot trace it)
+        if ahead is not None:
+            ahead.end(state, completed=output is not None)
     if not call.head_calls:
         _note_unfusable(model, state, _never_called(parent, name, path, call))
     return _finish(model, output, call, state)
@@ -328,7 +339,7 @@ def make_liger_forward(original: Callable, fallback: Callable | None = None) -> 
         if head is None:
             _warn_unfusable_once(self, state, reason)
             return run(self, *args, **kwargs)
-        return fused_forward(self, state, run, args, kwargs, path, head, flags)
+        return fused_forward(self, state, run, args, kwargs, path, head, flags, call)
 
     setattr(liger_forward, ORIGINAL_ATTR, original)
     return liger_forward

@@ -77,7 +77,8 @@ class CapturedCall:
     loss's z-loss term and ``outputs`` holds the other outputs of the last loss. ``refusal`` is
     the first use of its logits that had no fused counterpart (its real logits were made for it);
     a ``strict`` call raises :class:`UnfusableLogitsUse` there instead (a caller that runs the
-    model's own path itself).
+    model's own path itself). ``labels_ahead`` is the forward's labels shifted, their check begun
+    before its body (``labels_ahead.LabelsAhead``), for the causal-LM loss to take.
     """
 
     compute_loss: DeferredLoss
@@ -88,6 +89,7 @@ class CapturedCall:
     losses: int = 0
     z_losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    labels_ahead: Any = None
 
     def refuse(self, reason: str) -> None:
         """Record ``reason`` (the first one stays); a strict call raises it."""

@@ -107,6 +107,8 @@ class PatchState:
     fused_ran: bool = False
     bypass_reason: str | None = None
     warned_bypass: bool = False
+    # Set when a label check begun ahead (labels_ahead.py) was taken by no loss: none is begun again.
+    labels_ahead_missed: bool = False
 
     def budget_changes(self) -> dict[str, str]:
         """``{"memory_budget": "batch"}`` when neither the patch's options nor

@@ -20,6 +20,7 @@ with a bad label poisons (docs/loss.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import deferred_checks, validation
+from liger_patch.ops.core import deferred_checks, early_checks, validation
 from liger_patch.ops.core.reduction import counted_divisor, loss_divisor, mean_divisor, row_weights
 from liger_patch.ops.core.tuning import Tuning
 
@@ -141,6 +142,13 @@ def begin_label_check(
     the sanitized labels, the poison factor and the row weights (without class weights)."""
     deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
+    if class_weights is None and early_checks.waiting():
+        key = early_checks.labels_key(
+            labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
+        )
+        ahead = early_checks.take(key)
+        if ahead is not None:  # begun ahead by the caller (``begin_ahead``): the same check
+            return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop)
     if fused_check is not None and class_weights is None and labels.numel() > 0:
         return _begin_fused(
             fused_check, labels, vocab, ignore_index, reduction, num_items,
@@ -184,6 +192,37 @@ def _begin_fused(
         labels, vocab, ignore_index, reduction, None, num_items, divisor, started, shape_key, work_gflop,
         fused=done,
     )  # fmt: skip
+
+
+def begin_ahead(
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    num_items: NumItems,
+    fused_check: FusedCheck | None = None,
+) -> tuple | None:
+    """Queue now the check that a later ``begin_label_check`` over these very ``labels`` (int64,
+    contiguous) with these arguments and no class weights will take instead of queuing its own
+    (``early_checks``), and return its key for ``early_checks.drop``; ``None`` where nothing is
+    begun: other labels, no labels, or while a CUDA graph is captured (whose check is not kept)."""
+    if labels.dtype != torch.int64 or not labels.is_contiguous() or labels.numel() == 0 or capturing(labels):
+        return None
+    items = (num_items.tensor, num_items.value)
+    pending = begin_label_check(
+        labels, vocab, ignore_index, reduction, None, num_items, fused_check=fused_check
+    )
+    key = early_checks.labels_key(labels, vocab, ignore_index, reduction, items, fused_check)
+    early_checks.put(key, pending)
+    return key
+
+
+def arrived(pending: PendingLabels) -> bool:
+    """Whether the check's answer, copied back from the GPU, has arrived already (a check begun
+    ahead, long done), so that reading it costs no wait. ``False`` on the CPU, whose answer is
+    never copied back."""
+    started = pending.started
+    return started is not None and started.ready is not None and started.ready.query()
 
 
 _IGNORED_SHARE: dict[tuple, float] = {}  # shape key -> share of ignored labels at its last read check

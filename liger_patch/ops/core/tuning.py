@@ -77,6 +77,12 @@ class Tuning:
             four graphs). A replay runs only on the stream its graph was captured for, one
             thread at a time. Off by default: in training steps (item 68) a graph kept about
             grad_W's size more at the peak and bought no time measurable above the noise.
+        check_labels_ahead: a caller that knows a forward's labels before its loss (a patched
+            model, before its body runs: ``functional.check_labels_ahead``) queues the loss's
+            label check then (``core/early_checks.py``), so a forward that waits for it to skip
+            the ignored rows finds it answered instead of waiting for the whole body's GPU
+            work. The same check, decisions and bits; ``False``: the check is queued by the
+            loss's own forward.
     """
 
     fused_logits: bool = True
@@ -94,9 +100,11 @@ class Tuning:
     head_start_gflop: float = 300.0
     call_plans: bool = True
     call_graphs: bool = False
+    check_labels_ahead: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans", "call_graphs"):
+        flags = ("fused_logits", "reverse_pass2", "balanced_chunks", "call_plans", "call_graphs")
+        for name in (*flags, "check_labels_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tuning.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("two_pass", "fp32_grad_weight"):

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.eager_call import runs_plainly
+from liger_patch.ops.core.kept_rows import NumItems, begin_ahead
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.cross_entropy import operator, outputs
+from liger_patch.ops.cross_entropy.backends import row_backend
 from liger_patch.ops.cross_entropy.low_rank import check_low_rank
 from liger_patch.ops.cross_entropy.options import (
     DEFAULT_OPTIONS,
@@ -94,6 +97,34 @@ def fused_loss(
     ``low_rank.py``), and u and B get their gradients."""
     options = build_options(options.key, **constant_changes(overrides))
     return _fused(hidden, weight, labels, bias, options, num_items_in_batch, class_weight, low_rank)
+
+
+def check_labels_ahead(
+    labels: torch.Tensor,
+    vocab: int,
+    *,
+    options: LossOptions = DEFAULT_OPTIONS,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    **overrides: Any,
+) -> tuple | None:
+    """Queue now the label check of a later :func:`fused_loss` call whose labels are these
+    ``labels`` (int64, contiguous; the call may pass them reshaped) against a weight of ``vocab``
+    rows, with these options (``overrides`` applied) and ``num_items_in_batch``: that call then
+    takes it instead of queuing its own (``core/early_checks.py``), the same check and results,
+    its answer long arrived where the caller begins it before its model's body. Returns the key
+    to give ``early_checks.drop`` once the call is over (a call that never came leaves its
+    check behind), or ``None`` where nothing was begun: ``Tuning.check_labels_ahead`` off, a
+    traced or transformed call, labels not int64 and contiguous, no labels, a graph capture."""
+    opts = build_options(options.key, **constant_changes(overrides))
+    if not opts.tuning.check_labels_ahead:
+        return None
+    validation.check_num_items(num_items_in_batch, opts.reduction)
+    items = validation.num_items_operands(num_items_in_batch)
+    if not labels.is_contiguous() or not runs_plainly((labels, items[0])):
+        return None  # (a call's reshape of other labels would copy them: never the same tensor)
+    backend = row_backend(opts.backend, labels.device)
+    flat = labels.view(-1)
+    return begin_ahead(flat, vocab, opts.ignore_index, opts.reduction, NumItems(*items), backend.label_check)
 
 
 def fused_linear_cross_entropy(
