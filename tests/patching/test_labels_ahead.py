@@ -115,7 +115,7 @@ def test_a_forward_waiting_for_its_check_does_not_wait_for_the_body(begun_ahead)
     """A forward that waits for its label check to skip the ignored rows (``wait_to_skip_gflop``
     0: always) while the GPU still spins at the end of the model's body: with the check begun
     ahead it is answered long before the spin and the forward returns while the GPU spins; begun
-    by the loss, it is queued after the spin and the forward waits for it."""
+    by the loss, it is queued after the spin and the forward waits for it every time."""
     model = tiny_model("llama")
     lp.apply_liger_to(model, tuning=Tuning(wait_to_skip_gflop=0, check_labels_ahead=begun_ahead))
     batch = make_batch()
@@ -125,14 +125,23 @@ def test_a_forward_waiting_for_its_check_does_not_wait_for_the_body(begun_ahead)
         torch.cuda._sleep(BUSY_CYCLES)
         spun.record()
 
-    spin = model.model.norm.register_forward_hook(spin_then_mark)
-    model(**batch).loss.backward()  # kernels loaded, the share of ignored labels seen
-    torch.cuda.synchronize()
-    with torch.no_grad():
-        out = model(**batch)
+    def forward_behind_the_spin() -> bool:
+        """Whether the forward returned while the spin still ran."""
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            out = model(**batch)
         still_busy = not spun.query()
-    torch.cuda.synchronize()
-    spin.remove()
-    assert still_busy is begun_ahead
-    assert torch.isfinite(out.loss)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.loss)
+        return still_busy
+
+    spin = model.model.norm.register_forward_hook(spin_then_mark)
+    try:
+        forward_behind_the_spin()  # the first call of a kernel loads its module: a wait
+        returned_early = [forward_behind_the_spin() for _ in range(3)]
+    finally:
+        spin.remove()
+    # (one early return of three suffices, as in test_host_syncs.py: a wait fails all three)
+    assert any(returned_early) is begun_ahead, returned_early
+    assert not early_checks.waiting()
     deferred_checks.raise_pending()
