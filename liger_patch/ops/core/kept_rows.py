@@ -91,6 +91,7 @@ class PendingLabels:
     work_gflop: float = 0.0
     fused: FusedLabels | None = None
     keep_mask: Tensor | None = None
+    ahead: bool = False  # begun ahead of its call (``begin_ahead``)
 
     @functools.cached_property
     def keep(self) -> Tensor:
@@ -148,7 +149,7 @@ def begin_label_check(
         )
         ahead = early_checks.take(key)
         if ahead is not None:  # begun ahead by the caller (``begin_ahead``): the same check
-            return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop)
+            return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop, ahead=True)
     if fused_check is not None and class_weights is None and labels.numel() > 0:
         return _begin_fused(
             fused_check, labels, vocab, ignore_index, reduction, num_items,
@@ -217,12 +218,13 @@ def begin_ahead(
     return key
 
 
-def arrived(pending: PendingLabels) -> bool:
-    """Whether the check's answer, copied back from the GPU, has arrived already (a check begun
-    ahead, long done), so that reading it costs no wait. ``False`` on the CPU, whose answer is
-    never copied back."""
+def arrived_ahead(pending: PendingLabels) -> bool:
+    """Whether the check was begun ahead of its call (``begin_ahead``) and its answer, copied back
+    from the GPU, has arrived, so that reading it costs no wait (a head start would gain nothing).
+    ``False`` on the CPU, whose answer is never copied back, and for a check the call began: a
+    head start is begun or not by shapes and earlier reads only, as for a call alone."""
     started = pending.started
-    return started is not None and started.ready is not None and started.ready.query()
+    return pending.ahead and started is not None and started.ready is not None and started.ready.query()
 
 
 _IGNORED_SHARE: dict[tuple, float] = {}  # shape key -> share of ignored labels at its last read check

@@ -43,7 +43,7 @@ from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     NumItems,
-    arrived,
+    arrived_ahead,
     begin_label_check,
     expects_skip,
     finish_label_check,
@@ -216,7 +216,7 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
         _gemm_gflop(hidden, weight, opts.reduction, args.needs), backend.label_check,
     )  # fmt: skip
     call, head, budget_all = None, None, None
-    if expects_skip(pending, opts.tuning) and not arrived(pending):  # computed while the host waits
+    if expects_skip(pending, opts.tuning) and not arrived_ahead(pending):  # computed while the host waits
         call = _forward_call(opts, backend, args, pending.labels, cw)
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)

@@ -156,3 +156,25 @@ def test_the_functional_op_without_a_check_begun_ahead_is_unchanged(monkeypatch,
     found = _taken(monkeypatch)
     lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels).backward()
     assert found == []  # nothing waits: no key is made
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_check_arrived_ahead_begins_no_head_start_and_gives_the_same_bits(monkeypatch, gen):
+    """A call that waits to skip its ignored rows begins its first chunk before the wait (the head
+    start) while its own check runs; with the check begun ahead and answered it begins none, and
+    its results are the same bits."""
+    from liger_patch.ops.core import head_start
+
+    begun, start = [], head_start.start
+    monkeypatch.setattr(head_start, "start", lambda *a, **k: begun.append(1) or start(*a, **k))
+    case = make_case(gen, (700,), 64, V, device="cuda", dtype=torch.bfloat16, ignore="half")
+    tuning = Tuning(wait_to_skip_gflop=0.0, min_token_chunk_rows=0, head_start_gflop=128 * 2 * 64 * V / 1e9)
+    opts = dict(backend="triton", tuning=tuning)
+    _step(case, **opts)  # the shape's share of ignored labels is read
+    expected = _step(case, **opts)
+    assert begun, "no head start to leave out"
+    begun.clear()
+    check_labels_ahead(case.labels, V, options=LossOptions.from_kwargs(**opts))
+    torch.cuda.synchronize()
+    assert_same_bits(_step(case, **opts), expected)
+    assert begun == []
