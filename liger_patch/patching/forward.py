@@ -242,10 +242,10 @@ def fused_forward(
     the label check of the call's labels (``bound``: its arguments by name) is begun before the
     body runs (``labels_ahead.py``)."""
     swap_loss = _stock_causal_loss(model)
-    ahead = begin_labels_ahead(head, state, bound) if swap_loss and bound is not None else None
-    call = CapturedCall(compute_loss=PatchLoss(state, flags or {}, ahead), labels_ahead=ahead)
     parent, name = _parent_and_name(model, path)
     registered = parent._modules[name]
+    ahead = begin_labels_ahead(head, state, bound) if swap_loss and bound is not None else None
+    call = CapturedCall(compute_loss=PatchLoss(state, flags or {}, ahead), labels_ahead=ahead)
     parent._modules[name] = HeadCapture(head, call, registered)
     if swap_loss:
         model.__dict__["_loss_function"] = causal_lm_loss

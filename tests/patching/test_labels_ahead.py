@@ -84,21 +84,38 @@ def test_given_shift_labels_or_off_nothing_is_begun(monkeypatch):
     assert begun == [1]
 
 
-def test_a_check_no_loss_took_is_dropped_and_none_is_begun_again(monkeypatch):
-    """A model whose loss does not take the targets made ahead (one that changes its labels,
-    say) leaves the check behind once: it is dropped, and that patch begins no other."""
+def test_labels_written_in_the_body_are_shifted_again_and_none_is_begun_again(monkeypatch):
+    """A model whose body writes into its labels (a hook masking positions here) gets the loss of
+    the labels as written, not of the targets shifted before: the check begun ahead is left
+    behind, dropped, and that patch begins no other."""
     ahead, loss_only = _pair()
-    monkeypatch.setattr(labels_ahead.LabelsAhead, "targets_for", lambda self, labels, ignore_index: None)
     found = _spy_take(monkeypatch)
-    batch = make_batch()
-    expected = _step(loss_only, batch)
-    for _ in range(2):
-        got = _step(ahead, batch)
-        for a, b in zip(got, expected, strict=True):
-            assert torch.equal(a, b)
-        assert not early_checks.waiting()
-    assert patch_state(ahead).labels_ahead_missed
+    results = []
+    for model in (loss_only, ahead):
+        batch = make_batch()
+        labels = batch["labels"]
+
+        def mask_positions(*_, labels=labels) -> None:
+            labels[:, 4:8] = -100
+
+        mask = model.model.layers[0].register_forward_pre_hook(mask_positions)
+        results.append([_step(model, batch) for _ in range(2)])
+        mask.remove()
+    for a, b in zip(sum(results[0], []), sum(results[1], []), strict=True):
+        assert torch.equal(a, b)
+    unmasked = _step(loss_only, make_batch())[0]
+    assert not torch.equal(results[1][0][0], unmasked), "the mask changed nothing: no test"
     assert found == [False]  # the first forward's loss looked and found none; the second began none
+    assert patch_state(ahead).labels_ahead_missed and not early_checks.waiting()
+
+
+def test_under_inference_mode_nothing_is_begun():
+    ahead, loss_only = _pair()
+    batch = make_batch()
+    with torch.inference_mode():
+        got, expected = ahead(**batch).loss, loss_only(**batch).loss
+    assert torch.equal(got, expected) and not early_checks.waiting()
+    assert not patch_state(ahead).labels_ahead_missed
 
 
 def test_a_forward_that_raises_drops_its_check_and_begins_again():
@@ -145,3 +162,22 @@ def test_a_forward_waiting_for_its_check_does_not_wait_for_the_body(begun_ahead)
     assert any(returned_early) is begun_ahead, returned_early
     assert not early_checks.waiting()
     deferred_checks.raise_pending()
+
+
+def test_the_targets_and_num_items_serve_only_what_they_were_made_from():
+    labels, num_items = torch.tensor([[5, 6, -100, 7]]), torch.tensor(3)
+    targets, moved = torch.tensor([6, -100, 7, -100]), num_items.clone()
+    ahead = labels_ahead.LabelsAhead(labels, labels._version, targets, num_items, moved, 0, key=())
+    cpu = torch.device("cpu")
+    assert ahead.targets_for(labels, -100) is targets
+    assert ahead.targets_for(labels.clone(), -100) is None  # other labels, equal values
+    assert ahead.targets_for(labels, 0) is None  # another ignore_index
+    assert ahead.num_items_for(num_items, cpu) is moved
+    other = torch.tensor(3)
+    assert ahead.num_items_for(other, cpu) is other and ahead.num_items_for(7, cpu) == 7
+    if torch.cuda.is_available():  # the loss on another device than the one it was moved to
+        assert ahead.num_items_for(num_items, torch.device("cuda")).is_cuda
+    labels[0, 1] = -100
+    num_items.add_(1)
+    assert ahead.targets_for(labels, -100) is None  # written since
+    assert ahead.num_items_for(num_items, cpu) is num_items  # written since: its own value

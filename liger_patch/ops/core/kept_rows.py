@@ -143,7 +143,7 @@ def begin_label_check(
     the sanitized labels, the poison factor and the row weights (without class weights)."""
     deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
-    if class_weights is None and early_checks.waiting():
+    if class_weights is None and early_checks.waiting() and not capturing(labels):
         key = early_checks.labels_key(
             labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
         )
@@ -206,14 +206,18 @@ def begin_ahead(
     """Queue now the check that a later ``begin_label_check`` over these very ``labels`` (int64,
     contiguous) with these arguments and no class weights will take instead of queuing its own
     (``early_checks``), and return its key for ``early_checks.drop``; ``None`` where nothing is
-    begun: other labels, no labels, or while a CUDA graph is captured (whose check is not kept)."""
+    begun: other labels, no labels, inference tensors, or while a CUDA graph is captured (whose
+    check is not kept)."""
     if labels.dtype != torch.int64 or not labels.is_contiguous() or labels.numel() == 0 or capturing(labels):
         return None
-    items = (num_items.tensor, num_items.value)
+    key = early_checks.labels_key(
+        labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
+    )
+    if key is None:
+        return None
     pending = begin_label_check(
         labels, vocab, ignore_index, reduction, None, num_items, fused_check=fused_check
     )
-    key = early_checks.labels_key(labels, vocab, ignore_index, reduction, items, fused_check)
     early_checks.put(key, pending)
     return key
 

@@ -114,11 +114,17 @@ def check_labels_ahead(
     its answer long arrived where the caller begins it before its model's body. Returns the key
     to give ``early_checks.drop`` once the call is over (a call that never came leaves its
     check behind), or ``None`` where nothing was begun: ``Tuning.check_labels_ahead`` off, a
-    traced or transformed call, labels not int64 and contiguous, no labels, a graph capture."""
+    traced or transformed call, labels not int64 and contiguous, no labels, inference tensors, a
+    graph capture, a bad ``num_items_in_batch`` (the call raises for it). Writes to the labels
+    that bypass their version counter (``.data``, DLPack or NumPy aliases) before the call are
+    not seen: the caller must not make them (``core/early_checks.py``)."""
     opts = build_options(options.key, **constant_changes(overrides))
-    if not opts.tuning.check_labels_ahead:
+    if not opts.tuning.check_labels_ahead or torch.is_inference_mode_enabled():
         return None
-    validation.check_num_items(num_items_in_batch, opts.reduction)
+    try:
+        validation.check_num_items(num_items_in_batch, opts.reduction)
+    except (TypeError, ValueError):
+        return None  # the call itself raises it, where it always has
     items = validation.num_items_operands(num_items_in_batch)
     if not labels.is_contiguous() or not runs_plainly((labels, items[0])):
         return None  # (a call's reshape of other labels would copy them: never the same tensor)

@@ -124,9 +124,26 @@ def test_nothing_is_begun_where_no_call_could_take_it(gen, device):
     assert check_labels_ahead(case.labels.int(), V) is None  # the call's would be another tensor
     assert check_labels_ahead(case.labels[:, ::2], V) is None  # the call would copy them
     assert check_labels_ahead(case.labels[:0], V) is None
+    assert check_labels_ahead(case.labels, V, num_items_in_batch=-3) is None  # the call raises
+    with torch.inference_mode():
+        frozen = case.labels.clone()  # inference tensors: no version counter
+        frozen_items = torch.tensor(40.0, device=device)
+        assert check_labels_ahead(case.labels, V) is None  # under inference mode
+    assert check_labels_ahead(frozen, V) is None
+    assert check_labels_ahead(case.labels, V, num_items_in_batch=frozen_items) is None
     assert not early_checks.waiting()
-    with pytest.raises(ValueError, match="num_items_in_batch"):
-        check_labels_ahead(case.labels, V, num_items_in_batch=-3)
+
+
+def test_a_call_over_inference_tensors_while_a_check_waits(gen, device):
+    """Inference tensors have no version counter: no key, so such a call queues its own check."""
+    case = _case(gen, device)
+    key = check_labels_ahead(case.labels.clone(), V)
+    with torch.inference_mode():
+        labels = case.labels.clone()
+        loss = lp.fused_linear_cross_entropy(case.hidden.detach(), case.weight.detach(), labels)
+    ref, _, _ = reference_for(case)
+    assert_close("loss", loss, ref, 1e-5)
+    assert early_checks.drop(key)
 
 
 def test_at_most_a_few_checks_wait(gen, device):
