@@ -232,7 +232,7 @@ def write_json(path: str | Path, data: object, indent: int = 1) -> None:
     """Write ``data`` as JSON to ``path``, creating its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent))
+    path.write_text(json.dumps(data, indent=indent) + "\n")  # a text file ends its last line
 
 
 def git_head() -> str | None:

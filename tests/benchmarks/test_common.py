@@ -102,3 +102,10 @@ def test_alternating_rounds_alternate_the_order_and_pair_each_round(common):
 def test_alternating_rounds_refuse_fewer_than_one_round(common, rounds):
     with pytest.raises(ValueError, match=f"rounds must be >= 1, got {rounds}"):
         common.alternating_rounds(lambda patched: {"median_step_s": 1.0}, rounds)
+
+
+def test_write_json_makes_its_folder_and_ends_its_last_line(common, tmp_path):
+    path = tmp_path / "a" / "b.json"
+    common.write_json(path, {"x": [1, 2]})
+    text = path.read_text()
+    assert text.endswith("}\n") and json.loads(text) == {"x": [1, 2]}
