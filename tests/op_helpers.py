@@ -222,6 +222,14 @@ def record_calls(monkeypatch, module, name: str, record=lambda args, kwargs, res
     return calls
 
 
+def checks_taken_ahead(monkeypatch) -> list[bool]:
+    """For each lookup of a label check begun ahead (``early_checks.take``) from now on in this
+    test, whether it found one."""
+    from liger_patch.ops.core import early_checks
+
+    return record_calls(monkeypatch, early_checks, "take", lambda args, kwargs, result: result is not None)
+
+
 def call_op(case: Case, **opts):
     opts.setdefault("ignore_index", case.ignore_index)
     return lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels, case.bias, **opts)

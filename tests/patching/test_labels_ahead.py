@@ -15,6 +15,7 @@ from liger_patch.ops.core import deferred_checks, early_checks
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.patching import labels_ahead
 from liger_patch.patching.state import patch_state
+from tests.op_helpers import checks_taken_ahead
 from tests.patching_helpers import make_batch, tiny_model
 
 BUSY_CYCLES = 400_000_000  # a GPU spin of ~0.2 s at 2 GHz
@@ -38,25 +39,13 @@ def _step(model, batch, **kwargs):
     return [loss.detach(), *grads]
 
 
-def _spy_take(monkeypatch) -> list[bool]:
-    found, take = [], early_checks.take
-
-    def spy(key):
-        ahead = take(key)
-        found.append(ahead is not None)
-        return ahead
-
-    monkeypatch.setattr(early_checks, "take", spy)
-    return found
-
-
 @pytest.mark.parametrize("num_items", [None, 29, "tensor", "host tensor"])
 def test_the_loss_takes_the_check_begun_ahead_and_gives_the_same_bits(monkeypatch, num_items):
     ahead, loss_only = _pair()
     batch = make_batch()
     if num_items in ("tensor", "host tensor"):
         num_items = torch.tensor(29, device="cpu" if num_items == "host tensor" else batch["labels"].device)
-    found = _spy_take(monkeypatch)
+    found = checks_taken_ahead(monkeypatch)
     for seed in range(2):
         batch = make_batch(seed)
         expected = _step(loss_only, batch, num_items_in_batch=num_items)
@@ -89,7 +78,7 @@ def test_labels_written_in_the_body_are_shifted_again_and_none_is_begun_again(mo
     the labels as written, not of the targets shifted before: the check begun ahead is left
     behind, dropped, and that patch begins no other."""
     ahead, loss_only = _pair()
-    found = _spy_take(monkeypatch)
+    found = checks_taken_ahead(monkeypatch)
     results = []
     for model in (loss_only, ahead):
         batch = make_batch()

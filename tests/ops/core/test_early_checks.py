@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from op_helpers import assert_close, assert_same_bits, call_op, make_case, reference_for
+from op_helpers import (
+    assert_close,
+    assert_same_bits,
+    call_op,
+    checks_taken_ahead,
+    make_case,
+    reference_for,
+)
 
 import liger_patch as lp
 from liger_patch.ops.core import deferred_checks, early_checks
@@ -41,19 +48,6 @@ def _step(case, **opts):
     return [loss.detach(), *grads]
 
 
-def _taken(monkeypatch) -> list[bool]:
-    """Whether each call's lookup found a check begun ahead."""
-    found, take = [], early_checks.take
-
-    def spy(key):
-        ahead = take(key)
-        found.append(ahead is not None)
-        return ahead
-
-    monkeypatch.setattr(early_checks, "take", spy)
-    return found
-
-
 @pytest.mark.parametrize("num_items", [None, 40, "tensor"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_call_takes_the_check_and_gives_the_same_bits(monkeypatch, gen, device, backend, num_items):
@@ -62,7 +56,7 @@ def test_the_call_takes_the_check_and_gives_the_same_bits(monkeypatch, gen, devi
         num_items = torch.tensor(40, device=device)
     opts = dict(backend=backend, num_items_in_batch=num_items)
     expected = _step(case, **opts)
-    found = _taken(monkeypatch)
+    found = checks_taken_ahead(monkeypatch)
     key = check_labels_ahead(
         case.labels, V, options=LossOptions.from_kwargs(backend=backend), num_items_in_batch=num_items
     )
@@ -97,7 +91,7 @@ def test_a_call_that_differs_queues_its_own_check(monkeypatch, gen, device, chan
         opts["num_items_in_batch"] = torch.tensor(40.0, device=device)  # equal, but another tensor
     else:
         num_items.fill_(25.0)
-    found = _taken(monkeypatch)
+    found = checks_taken_ahead(monkeypatch)
     loss = call_op(case, **opts)
     assert found == [False]
     ref_opts = {k: v for k, v in opts.items() if k != "num_items_in_batch"}
@@ -170,7 +164,7 @@ def test_the_key_names_the_labels_where_they_live(device):
 
 def test_the_functional_op_without_a_check_begun_ahead_is_unchanged(monkeypatch, gen, device):
     case = _case(gen, device)
-    found = _taken(monkeypatch)
+    found = checks_taken_ahead(monkeypatch)
     lp.fused_linear_cross_entropy(case.hidden, case.weight, case.labels).backward()
     assert found == []  # nothing waits: no key is made
 
