@@ -150,6 +150,23 @@ def begin_label_check(
         ahead = early_checks.take(key)
         if ahead is not None:  # begun ahead by the caller (``begin_ahead``): the same check
             return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop, ahead=True)
+    return _queue_check(
+        labels, vocab, ignore_index, reduction, class_weights, num_items, shape_key, work_gflop, fused_check
+    )
+
+
+def _queue_check(
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    class_weights: Tensor | None,
+    num_items: NumItems,
+    shape_key: tuple,
+    work_gflop: float,
+    fused_check: FusedCheck | None,
+) -> PendingLabels:
+    """``begin_label_check``'s own check of ``labels`` (int64, contiguous), queued now."""
     if fused_check is not None and class_weights is None and labels.numel() > 0:
         return _begin_fused(
             fused_check, labels, vocab, ignore_index, reduction, num_items,
@@ -215,9 +232,9 @@ def begin_ahead(
     )
     if key is None:
         return None
-    pending = begin_label_check(
-        labels, vocab, ignore_index, reduction, None, num_items, fused_check=fused_check
-    )
+    deferred_checks.raise_ready()  # as begin_label_check does first
+    # Queued directly: begin_label_check would look for a check begun ahead for these very labels.
+    pending = _queue_check(labels, vocab, ignore_index, reduction, None, num_items, (), 0.0, fused_check)
     early_checks.put(key, pending)
     return key
 

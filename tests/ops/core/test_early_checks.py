@@ -13,6 +13,7 @@ from op_helpers import (
     call_op,
     checks_taken_ahead,
     make_case,
+    record_calls,
     reference_for,
 )
 
@@ -146,6 +147,18 @@ def test_at_most_a_few_checks_wait(gen, device):
     keys = [check_labels_ahead(labels, V) for labels in copies]
     assert len(early_checks._AHEAD) == early_checks._MAX_AHEAD
     assert not early_checks.drop(keys[0]) and early_checks.drop(keys[-1])
+
+
+def test_beginning_a_check_ahead_looks_nothing_up(monkeypatch, gen, device):
+    """While another check waits, beginning one ahead makes its key once and takes nothing: its
+    own check is queued directly, and both wait for their calls."""
+    case = _case(gen, device)
+    first = check_labels_ahead(case.labels.clone(), V)
+    keys = record_calls(monkeypatch, early_checks, "labels_key")
+    taken = checks_taken_ahead(monkeypatch)
+    second = check_labels_ahead(case.labels, V)
+    assert len(keys) == 1 and taken == []
+    assert early_checks.drop(first) and early_checks.drop(second)
 
 
 def test_the_key_names_the_labels_where_they_live(device):
