@@ -14,6 +14,10 @@ one GPU, rows printed as JSON lines as they come:
   ``gpu_still_busy_after_*``: whether that spin was still running when the call returned in every
   repetition (for eager it must be: the measure's check; for ours it is the issue's target).
   ``*_wall_ms``: the synchronised wall time of one call. Medians over repetitions after warm-ups.
+* ``"part": "distill"`` (target 1's distillation): the same for ``fused_linear_distillation``
+  (generalized JSD, beta 0.5) against the eager loss over both sides' fp32 logits (TRL's
+  generalized JSD written without its boolean index, which syncs), at N tokens x (student H,
+  teacher H, V) head pairs; keys ``H_student`` and ``H_teacher`` in place of ``H``.
 * ``"part": "step"`` (target 3): one AdamW (fused) training step of a random-init Qwen2.5-0.5B-,
   Qwen3-1.7B-, Llama-3.2-1B- and Llama-3.1-8B-shaped model (bf16, sdpa; the 8B to 4,096 tokens)
   on a 1 x ``tokens`` batch whose first ``ignored`` share of labels is -100 (a prompt),
@@ -43,6 +47,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -95,6 +100,8 @@ class Plan:
     rounds: int = 6  # segments per variant and row, the variants' order reversed every other round
     segment_steps: int = 2  # timed steps per segment (after one untimed): 12 per variant in all
     max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # a model's largest batch
+    distill_n: tuple[int, ...] = ()
+    distill_heads: tuple[tuple[int, int, int], ...] = ()  # (student H, teacher H, V)
 
 
 GPU_PLAN = Plan(
@@ -111,6 +118,9 @@ GPU_PLAN = Plan(
     },
     tokens=(256, 1024, 4096, 16384),
     max_tokens={"llama-3.1-8b": 4096},  # its weights, gradients and AdamW states take 64 GB
+    distill_n=(256, 1024, 4096),
+    # Qwen2.5-0.5B from Qwen2.5-1.5B, Llama-3.2-1B from Llama-3.1-8B
+    distill_heads=((896, 1536, 151936), (2048, 4096, 128256)),
 )
 SMOKE_PLAN = Plan(
     device="cpu",
@@ -119,6 +129,8 @@ SMOKE_PLAN = Plan(
     op_heads=((16, 97),),
     models={"tiny-llama": ("llama", TINY_LLAMA)},
     tokens=(32,),
+    distill_n=(32,),
+    distill_heads=((16, 24, 97),),
 )
 
 
@@ -246,15 +258,10 @@ def wall_time(call: Callable[[], object], device: str) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def op_row(n: int, h: int, v: int, ignored: float, plan: Plan, backlog: Backlog) -> dict:
-    """One op row: ours and eager alternated in every repetition, so both see the same card state."""
-    hidden, weight, labels = make_inputs(
-        n, h, v, plan.dtype, ignore_frac=ignored, logit_std=LOGIT_STD, device=plan.device
-    )
-    calls = {
-        "ours": partial(fwd_bwd, ours_loss, hidden, weight, labels),
-        "eager": partial(fwd_bwd, eager_loss, hidden, weight, labels),
-    }
+def timed_pair(calls: dict[str, Callable[[], object]], plan: Plan, backlog: Backlog) -> dict:
+    """``calls["ours"]`` and ``calls["eager"]`` alternated in every repetition, so both see the
+    same card state: their median host ms behind the backlog and synchronised wall ms, and
+    whether the backlog was still running when each returned, in every repetition."""
     for _ in range(plan.op_warmup):
         for call in calls.values():
             call()
@@ -269,17 +276,29 @@ def op_row(n: int, h: int, v: int, ignored: float, plan: Plan, backlog: Backlog)
     for _ in range(plan.op_reps):
         for name, call in calls.items():
             wall[name].append(wall_time(call, plan.device))
-    hidden.grad = weight.grad = None
     med = {f"{name}_{kind}_ms": statistics.median(times[name]) for kind, times in
            (("host", host), ("wall", wall)) for name in calls}  # fmt: skip
     return {
-        "part": "op", "N": n, "H": h, "V": v, "ignored": ignored,
         "ours_host_ms": med["ours_host_ms"], "eager_host_ms": med["eager_host_ms"],
         "ours_wall_ms": med["ours_wall_ms"], "eager_wall_ms": med["eager_wall_ms"],
         "ours_over_eager_wall": med["ours_wall_ms"] / med["eager_wall_ms"],
         "gpu_still_busy_after_eager": all(busy["eager"]),
         "gpu_still_busy_after_ours": all(busy["ours"]),
     }  # fmt: skip
+
+
+def op_row(n: int, h: int, v: int, ignored: float, plan: Plan, backlog: Backlog) -> dict:
+    """One op row: one forward + backward of ours and of the eager head + loss."""
+    hidden, weight, labels = make_inputs(
+        n, h, v, plan.dtype, ignore_frac=ignored, logit_std=LOGIT_STD, device=plan.device
+    )
+    calls = {
+        "ours": partial(fwd_bwd, ours_loss, hidden, weight, labels),
+        "eager": partial(fwd_bwd, eager_loss, hidden, weight, labels),
+    }
+    timed = timed_pair(calls, plan, backlog)
+    hidden.grad = weight.grad = None
+    return {"part": "op", "N": n, "H": h, "V": v, "ignored": ignored, **timed}
 
 
 def op_rows(plan: Plan) -> Iterator[dict]:
@@ -291,6 +310,70 @@ def op_rows(plan: Plan) -> Iterator[dict]:
             for ignored in plan.ignored:
                 where = {"part": "op", "N": n, "H": h, "V": v, "ignored": ignored}
                 yield guarded(where, lambda n=n, h=h, v=v, i=ignored: op_row(n, h, v, i, plan, backlog))
+                free_memory()
+
+
+# ---- part "distill": the fused distillation, host time and wall time ----
+
+DISTILL_BETA = 0.5  # the generalized JSD's mixture, both KL terms (TRL's GKD default)
+
+
+def eager_distill(hidden, weight, labels, *, teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The unpatched distillation loss: both sides' fp32 logits, then TRL's generalized JSD at
+    ``DISTILL_BETA`` (temperature 1) over the kept tokens, written without a host sync (TRL's own
+    picks the kept rows with a boolean index, which waits for the GPU; this does not)."""
+    student = F.log_softmax((hidden @ weight.T).float(), dim=-1)
+    with torch.no_grad():
+        teacher_lp = F.log_softmax((teacher[0] @ teacher[1].T).float(), dim=-1)
+    logs = torch.stack([student + math.log(1 - DISTILL_BETA), teacher_lp + math.log(DISTILL_BETA)])
+    mixture = torch.logsumexp(logs, dim=0)
+    kl_teacher = (teacher_lp.exp() * (teacher_lp - mixture)).sum(-1)
+    kl_student = (student.exp() * (student - mixture)).sum(-1)
+    per_token = DISTILL_BETA * kl_teacher + (1 - DISTILL_BETA) * kl_student
+    keep = labels != -100
+    return (per_token * keep).sum() / keep.sum().clamp_min(1)
+
+
+def ours_distill(hidden, weight, labels, *, teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Our fused distillation at its defaults, the same loss."""
+    import liger_patch as lp
+
+    return lp.fused_linear_distillation(hidden, weight, *teacher, labels, beta=DISTILL_BETA)
+
+
+def distill_row(n: int, hs: int, ht: int, v: int, ignored: float, plan: Plan, backlog: Backlog) -> dict:
+    """One distillation row: one forward + backward of ours and of the eager loss (the student's
+    hidden states and weight get gradients, the teacher's do not)."""
+    hidden, weight, labels = make_inputs(
+        n, hs, v, plan.dtype, ignore_frac=ignored, logit_std=LOGIT_STD, device=plan.device
+    )
+    gen = torch.Generator(device=plan.device).manual_seed(2)
+    t_h = torch.randn(n, ht, generator=gen, device=plan.device).to(plan.dtype)
+    t_w = (torch.randn(v, ht, generator=gen, device=plan.device) * (LOGIT_STD / math.sqrt(ht))).to(plan.dtype)
+    calls = {
+        "ours": partial(fwd_bwd, partial(ours_distill, teacher=(t_h, t_w)), hidden, weight, labels),
+        "eager": partial(fwd_bwd, partial(eager_distill, teacher=(t_h, t_w)), hidden, weight, labels),
+    }
+    timed = timed_pair(calls, plan, backlog)
+    hidden.grad = weight.grad = None
+    return {"part": "distill", "N": n, "H_student": hs, "H_teacher": ht, "V": v, "ignored": ignored, **timed}
+
+
+def distill_rows(plan: Plan) -> Iterator[dict]:
+    """Every distillation row, N by N (smallest first); a row that fails is a row with ``error``."""
+    backlog = Backlog(plan.device)
+    for n in plan.distill_n:
+        for hs, ht, v in plan.distill_heads:
+            for ignored in plan.ignored:
+                where = {
+                    "part": "distill",
+                    "N": n,
+                    "H_student": hs,
+                    "H_teacher": ht,
+                    "V": v,
+                    "ignored": ignored,
+                }
+                yield guarded(where, partial(distill_row, n, hs, ht, v, ignored, plan, backlog))
                 free_memory()
 
 
@@ -527,6 +610,22 @@ def op_table(rows: list[dict]) -> str:
     return markdown_table(columns, rows, keys, values)
 
 
+def distill_table(rows: list[dict]) -> str:
+    """Markdown: the distillation rows."""
+    columns = ["N", "H student", "H teacher", "V", "ignored", "ours host ms", "eager host ms", "ours wall ms",
+               "eager wall ms", "ours / eager wall", "GPU busy after eager / ours"]  # fmt: skip
+
+    def keys(r: dict) -> list[str]:
+        return [str(r["N"]), str(r["H_student"]), str(r["H_teacher"]), str(r["V"]), f"{r['ignored']:.2f}"]
+
+    def values(r: dict) -> list[str]:
+        times = [f"{r[k]:.2f}" for k in ("ours_host_ms", "eager_host_ms", "ours_wall_ms", "eager_wall_ms")]
+        busy = f"{r['gpu_still_busy_after_eager']} / {r['gpu_still_busy_after_ours']}"
+        return [*times, f"{r['ours_over_eager_wall']:.2f}x", busy]
+
+    return markdown_table(columns, rows, keys, values)
+
+
 def step_table(rows: list[dict]) -> str:
     """Markdown: the step rows."""
     columns = ["model", "tokens", "ignored", "patched ms", "unpatched ms", "liger-kernel ms",
@@ -555,6 +654,10 @@ def write_results(out: str, env: dict, rows: list[dict], seconds: float) -> None
     if ops:
         text += f"\nOne forward + backward; host time with the GPU about {BUSY_MS:.0f} ms behind.\n\n"
         text += op_table(ops) + "\n"
+    distills = [r for r in rows if r["part"] == "distill"]
+    if distills:
+        text += f"\nOne distillation forward + backward (generalized JSD, beta {DISTILL_BETA}); host time "
+        text += f"with the GPU about {BUSY_MS:.0f} ms behind.\n\n" + distill_table(distills) + "\n"
     if steps:
         text += "\nOne fused-AdamW training step, 1 x tokens, synchronised at its boundaries.\n\n"
         text += step_table(steps) + "\n"
@@ -566,12 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default=None, help="JSON rows (the markdown tables beside it, .md)")
-    parser.add_argument("--parts", default="op,step", help="comma-separated: op, step")
+    parser.add_argument("--parts", default="op,distill,step", help="comma-separated: op, distill, step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check of the script")
     parser.add_argument("--models", nargs="+", default=None, help="the step part's models (default: all)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
-    if unknown := set(parts) - {"op", "step"}:
+    if unknown := set(parts) - {"op", "distill", "step"}:
         parser.error(f"unknown parts: {sorted(unknown)}")
     if not args.smoke and not need_cuda(__file__):
         return 2
@@ -582,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, models={name: plan.models[name] for name in args.models})
     env = {**environment("transformers"), "smoke": args.smoke}
     started = time.perf_counter()
-    sources = {"op": op_rows, "step": step_rows}
+    sources = {"op": op_rows, "distill": distill_rows, "step": step_rows}
     rows: list[dict] = []
     for part in parts:
         for row in sources[part](plan):
