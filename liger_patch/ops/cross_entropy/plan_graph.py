@@ -6,11 +6,12 @@ graph launch and three copies: on an H200 the op's host time a call went from 1.
 1.54-1.89 ms (ten in a row: 1.98-2.04 to 1.62-1.76), eager's being 1.10-1.25 (docs/perf-notes.md
 item 66). ``run`` does this for a plain eager call on CUDA:
 
-* The plan's first run notes where the weight is. A later run that finds it there again first
-  runs as usual (its own results), then captures the same launches into a graph on a side stream
+* The plan's first run notes where the weight is. The next call that finds it there again
+  captures the same launches into a graph on a side stream before it runs anything of its own
   (after one warm-up run there: what a stream and thread set up at their first use, such as
   cuBLAS's workspace, must not be captured), reading hidden states, labels and row weights of its
-  own.
+  own, and then replays it for itself: no result of the call is alive while the capture makes
+  the graph's, so the capturing call holds no more memory than any other.
 * Each later call on the stream the graph was captured for copies its hidden states, labels and
   row weights into the graph's, replays it, and returns the graph's outputs as new tensors that
   share their storage: the same kernels on the same values, so the same bits as ``plan.run``.
@@ -194,11 +195,16 @@ class GraphCache:
         stream: Any,
     ) -> ChunkResult:
         """``plan.run``'s result for a call of signature ``key`` on ``stream``: replayed from its
-        graph where one serves it, else run (and captured, the second time in a row the weight is
-        found in one place)."""
+        graph where one serves it (captured first where the last plain run found the weight in
+        the same place), else run."""
         with self.lock:
             entry = touched(self.entries, key)
             graphed = entry is not None and entry.graph is not None and entry.graph.plan is plan
+            if not graphed and self._due(entry, plan, weight):
+                # Captured before this call runs anything of its own, then replayed for it: no
+                # result of the call is alive while the capture makes the graph's.
+                self._capture(entry, plan, (hidden, weight, labels, coef, opts, stream))
+                graphed = entry.graph is not None
             if graphed and entry.graph.serves(weight, stream):
                 self.clock += 1
                 entry.used, entry.misses = self.clock, 0
@@ -208,7 +214,7 @@ class GraphCache:
         res = plan.run(hidden, weight, labels, coef, opts)
         if not graphed:
             with self.lock:
-                self._note(key, plan, (hidden, weight, labels, coef, opts, stream))
+                self._note(key, weight)
         return res
 
     def graphs(self) -> list[Graph]:
@@ -228,24 +234,26 @@ class GraphCache:
         if entry.misses >= _MAX_MISSES:  # the weight keeps moving, or the outputs stay held
             entry.graph, entry.captures = None, _MAX_CAPTURES
 
-    def _note(self, key: tuple, plan: OneChunk, inputs: tuple) -> None:
-        """A plain run of ``key``'s plan with ``inputs``: noted, or captured where its last run
-        found the weight in the same place."""
-        weight_ptr = inputs[1].data_ptr()
+    def _due(self, entry: Entry | None, plan: OneChunk, weight: Tensor) -> bool:
+        """Whether a call of ``plan`` that no graph serves captures one now: its signature's last
+        plain run found the weight where it is now, and it has not been captured too often. A
+        graph made for a plan since replaced is dropped."""
+        if entry is None:
+            return False
+        if entry.graph is not None and entry.graph.plan is not plan:
+            entry.graph = None
+        return (
+            entry.graph is None and entry.captures < _MAX_CAPTURES and entry.weight_ptr == weight.data_ptr()
+        )
+
+    def _note(self, key: tuple, weight: Tensor) -> None:
+        """A plain run of ``key``'s plan: where it found the weight (its next call captures if it
+        finds it there again), unless a graph was made for the signature meanwhile."""
         entry = self.entries.get(key)
         if entry is None:
-            keep_bounded(self.entries, key, Entry(weight_ptr=weight_ptr), _MAX_ENTRIES)
-            return
-        if entry.graph is not None:
-            if entry.graph.plan is plan:  # captured by another thread since this call looked
-                return
-            entry.graph = None  # made for a plan since replaced
-        if entry.captures >= _MAX_CAPTURES:
-            return
-        if entry.weight_ptr != weight_ptr:
-            entry.weight_ptr = weight_ptr
-            return
-        self._capture(entry, plan, inputs)
+            keep_bounded(self.entries, key, Entry(weight_ptr=weight.data_ptr()), _MAX_ENTRIES)
+        elif entry.graph is None:
+            entry.weight_ptr = weight.data_ptr()
 
     def _capture(self, entry: Entry, plan: OneChunk, inputs: tuple) -> None:
         """``entry``'s graph; then the least recently replayed graph beyond ``_MAX_GRAPHS`` dropped."""
