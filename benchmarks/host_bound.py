@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -102,6 +103,7 @@ class Plan:
     max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # a model's largest batch
     distill_n: tuple[int, ...] = ()
     distill_heads: tuple[tuple[int, int, int], ...] = ()  # (student H, teacher H, V)
+    call_graphs: bool = False  # the op rows' "ours" with Tuning(call_graphs=True)
 
 
 GPU_PLAN = Plan(
@@ -217,23 +219,31 @@ def ours_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) 
 
 
 def ours_with_graphs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The op with ``Tuning(call_graphs=True)``: its plan's launches replayed as a CUDA graph of
-    its own (``cross_entropy/plan_graph.py``; off by default), for the probes that weigh graphs."""
-    return _ours_tuned(hidden, weight, labels, call_graphs=True)
+    """The op with ``Tuning(call_graphs=True)``: its eager forward replayed as a CUDA graph
+    (``cross_entropy/call_graph.py``; off by default), for the probes that weigh graphs."""
+    return _ours_tuned(hidden, weight, labels, _tuning(True))
 
 
 def ours_ungraphed(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The op with ``Tuning(call_graphs=False)``: its plan's launches issued at every call, the
-    other side of ``ours_with_graphs`` whatever the default."""
-    return _ours_tuned(hidden, weight, labels, call_graphs=False)
+    """The op with ``Tuning(call_graphs=False)``: every call runs its forward's Python and
+    launches, the other side of ``ours_with_graphs`` whatever the default."""
+    return _ours_tuned(hidden, weight, labels, _tuning(False))
 
 
-def _ours_tuned(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **tuning) -> torch.Tensor:
-    """The op with ``Tuning(**tuning)``, made at each call."""
+@functools.cache
+def _tuning(call_graphs: bool):
+    """``Tuning(call_graphs=...)``, made once: a caller passes the same settings at every call
+    (a patched model builds its options once), and making them is host time of the caller's."""
     from liger_patch.ops.core.tuning import Tuning
+
+    return Tuning(call_graphs=call_graphs)
+
+
+def _ours_tuned(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tuning) -> torch.Tensor:
+    """The op with these ``Tuning`` settings."""
     from liger_patch.ops.cross_entropy.functional import fused_linear_cross_entropy
 
-    return fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(**tuning))
+    return fused_linear_cross_entropy(hidden, weight, labels, tuning=tuning)
 
 
 def host_time(call: Callable[[], object], backlog: Backlog, device: str) -> tuple[float, bool]:
@@ -292,13 +302,15 @@ def op_row(n: int, h: int, v: int, ignored: float, plan: Plan, backlog: Backlog)
     hidden, weight, labels = make_inputs(
         n, h, v, plan.dtype, ignore_frac=ignored, logit_std=LOGIT_STD, device=plan.device
     )
+    ours = ours_with_graphs if plan.call_graphs else ours_loss
     calls = {
-        "ours": partial(fwd_bwd, ours_loss, hidden, weight, labels),
+        "ours": partial(fwd_bwd, ours, hidden, weight, labels),
         "eager": partial(fwd_bwd, eager_loss, hidden, weight, labels),
     }
     timed = timed_pair(calls, plan, backlog)
     hidden.grad = weight.grad = None
-    return {"part": "op", "N": n, "H": h, "V": v, "ignored": ignored, **timed}
+    row = {"part": "op", "N": n, "H": h, "V": v, "ignored": ignored, **timed}
+    return {**row, "call_graphs": True} if plan.call_graphs else row
 
 
 def op_rows(plan: Plan) -> Iterator[dict]:
@@ -672,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="op,distill,step", help="comma-separated: op, distill, step")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check of the script")
     parser.add_argument("--models", nargs="+", default=None, help="the step part's models (default: all)")
+    parser.add_argument(
+        "--call-graphs", action="store_true", help="the op rows' ours with Tuning(call_graphs=True)"
+    )
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := set(parts) - {"op", "distill", "step"}:
@@ -683,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := set(args.models) - set(plan.models):
             parser.error(f"unknown models: {sorted(unknown)}; known: {sorted(plan.models)}")
         plan = dataclasses.replace(plan, models={name: plan.models[name] for name in args.models})
+    plan = dataclasses.replace(plan, call_graphs=args.call_graphs)
     env = {**environment("transformers"), "smoke": args.smoke}
     started = time.perf_counter()
     sources = {"op": op_rows, "distill": distill_rows, "step": step_rows}

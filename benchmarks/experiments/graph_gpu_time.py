@@ -1,14 +1,14 @@
 """Probe: GPU time of one call with and without the op's own graphs (issue 43, target 2).
 
 ``graphed_call_bound.py`` at 992ead4 found the op's synchronised wall time 0.1-0.4 ms longer with
-its graphs (``plan_graph``) than without, though its host time was shorter. This tells a slower GPU
-side (the replayed kernels, or the copies into the graph's inputs) from the order in which the host
-submits the work: at each ``--shapes`` N,H,V (bf16, 25 % ignored), after each variant's first 8
-calls (its graph captured), ``--reps`` alternated forward + backward calls of the op with
-``Tuning(call_graphs=True)`` and with ``Tuning(call_graphs=False)``, each timed from an idle GPU by
-CUDA events recorded before and after it (GPU ms from the first launch's start to the last one's
-end, idle gaps included) and by the host's clock around it with a sync after (wall ms). Medians,
-written to ``--out`` (JSON).
+its graphs (then ``plan_graph``, now ``call_graph``) than without, though its host time was
+shorter. This tells a slower GPU side (the replayed kernels, or the copies into the graph's
+inputs) from the order in which the host submits the work: at each ``--shapes`` N,H,V (bf16, 25 %
+ignored), after each variant's first 8 calls (its graph captured), ``--reps`` alternated forward +
+backward calls of the op with ``Tuning(call_graphs=True)`` and with ``Tuning(call_graphs=False)``,
+each timed from an idle GPU by CUDA events recorded before and after it (GPU ms from the first
+launch's start to the last one's end, idle gaps included) and by the host's clock around it with a
+sync after (wall ms). Medians, written to ``--out`` (JSON).
 
     python benchmarks/experiments/graph_gpu_time.py --out benchmarks/experiments/results/graph_gpu_time.json
 """

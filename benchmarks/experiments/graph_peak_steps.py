@@ -26,7 +26,7 @@ from common import environment, git_head, need_cuda, write_json  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
-from liger_patch.ops.cross_entropy import one_chunk, plan_graph  # noqa: E402
+from liger_patch.ops.cross_entropy import call_graph, one_chunk  # noqa: E402
 
 MIB = 1 << 20
 
@@ -51,7 +51,7 @@ def steps(v: int, h: int, n: int, tied: bool, graphs: bool, count: int) -> list[
         loss.backward()
         torch.cuda.synchronize()
         after_backward = torch.cuda.memory_allocated() - base
-        kept = plan_graph._GRAPHS.graphs()
+        kept = call_graph._GRAPHS.graphs()
         replayed = bool(kept) and any(
             weight.grad.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
             for g in kept for t in g.outputs

@@ -44,7 +44,7 @@ from host_bound import (  # noqa: E402
 )
 
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
-from liger_patch.ops.cross_entropy import plan_graph  # noqa: E402
+from liger_patch.ops.cross_entropy import call_graph  # noqa: E402
 
 GiB = float(1 << 30)
 
@@ -59,13 +59,13 @@ def variants(model: torch.nn.Module) -> dict:
 
 def replay_counter() -> list:
     """Counts every replay of the op's graphs (for the row's record)."""
-    calls, real = [], plan_graph.PlanGraph.replay
+    calls, real = [], call_graph.CallGraph.replay
 
     def counted(self, *args):
         calls.append(None)
         return real(self, *args)
 
-    plan_graph.PlanGraph.replay = counted
+    call_graph.CallGraph.replay = counted
     return calls
 
 
@@ -89,7 +89,7 @@ def timed(model, opt, batch, kinds: dict, rounds: int) -> dict:
 
 def peak(model, opt, batch, enter, replays: list) -> dict:
     """Peak allocated and reserved GiB of three steps after four, from no graph and an emptied cache."""
-    plan_graph.forget()
+    call_graph.forget()
     free_memory()
     with enter():
         segment(model, opt, batch, 4, "cuda")
@@ -101,7 +101,7 @@ def peak(model, opt, batch, enter, replays: list) -> dict:
     return {
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
-        "graphs_kept": len(plan_graph._GRAPHS.graphs()),
+        "graphs_kept": len(call_graph._GRAPHS.graphs()),
         "replays": len(replays) - before,
     }
 
@@ -120,7 +120,7 @@ def model_rows(name: str, tokens_list: list[int], ignored: float, rounds: int, r
         print(row, flush=True)
         yield row
     del model, opt
-    plan_graph.forget()
+    call_graph.forget()
     free_memory()
 
 

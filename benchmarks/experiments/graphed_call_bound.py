@@ -14,7 +14,8 @@ At each ``--shapes`` N,H,V (bf16, 25 % of the labels ignored, logit std 3) print
 ``--out`` (JSON): host ms of one forward + backward queued behind about 20 ms of GPU work
 (``host_bound.host_time``, median of ``--reps``), per call of ten in a row
 (``host_bound.steady_host_ms``) and synchronised wall ms (``host_bound.wall_time``) for eager, the
-op with graphs of its own (``Tuning(call_graphs=True)``, ``plan_graph``; at 992ead4 the default,
+op with graphs of its own (``Tuning(call_graphs=True)``: ``call_graph``, ``plan_graph`` until
+item 74 of docs/perf-notes.md; at 992ead4 the default,
 off since), the op with ``Tuning(call_graphs=False)``, both graphed whole and the op graphed with
 its check (below), all alternated in every repetition; and the graphed op's largest difference from
 the op in loss, grad_h and grad_W on an input set the graph was not captured with (the same

@@ -143,16 +143,32 @@ def begin_label_check(
     the sanitized labels, the poison factor and the row weights (without class weights)."""
     deferred_checks.raise_ready()
     labels = labels.long().contiguous()  # kernels index labels by row
-    if class_weights is None and early_checks.waiting() and not capturing(labels):
-        key = early_checks.labels_key(
-            labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
-        )
-        ahead = early_checks.take(key)
+    if class_weights is None:
+        ahead = _taken_ahead(labels, vocab, ignore_index, reduction, num_items, fused_check)
         if ahead is not None:  # begun ahead by the caller (``begin_ahead``): the same check
             return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop, ahead=True)
     return _queue_check(
         labels, vocab, ignore_index, reduction, class_weights, num_items, shape_key, work_gflop, fused_check
     )
+
+
+def _taken_ahead(
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    num_items: NumItems,
+    fused_check: FusedCheck | None,
+) -> PendingLabels | None:
+    """The check begun ahead (``begin_ahead``) for these very labels (int64, contiguous) and
+    arguments, out of ``early_checks``' table; ``None`` where there is none (or while a CUDA graph
+    is captured)."""
+    if not early_checks.waiting() or capturing(labels):
+        return None
+    key = early_checks.labels_key(
+        labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
+    )
+    return early_checks.take(key)
 
 
 def _queue_check(
@@ -196,19 +212,41 @@ def _begin_fused(
     *,
     shape_key: tuple,
     work_gflop: float,
+    read: bool = True,
 ) -> PendingLabels:
     """``begin_label_check`` by the backend's one-launch check: the divisor is its device scalar
-    unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number)."""
+    unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number). ``read``
+    false: the answer is neither copied back nor kept (``begin_unread_check``)."""
     done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value)
     what = mean_divisor(reduction, num_items.tensor, num_items.value)
     divisor = done.divisor if what.on_device else what.fixed
     user_divisor = done.divisor if num_items.tensor is not None else None
     started = None
-    if not capturing(labels):
+    if read and not capturing(labels):
         started = validation.check_from_stats(labels, vocab, ignore_index, user_divisor, done.stats)
     return PendingLabels(
         labels, vocab, ignore_index, reduction, None, num_items, divisor, started, shape_key, work_gflop,
         fused=done,
+    )  # fmt: skip
+
+
+def begin_unread_check(
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    num_items: NumItems,
+    fused_check: FusedCheck,
+    shape_key: tuple,
+    work_gflop: float,
+) -> PendingLabels:
+    """The check of a forward that a CUDA graph captures (``call_graph``): the backend's one
+    launch, its answer neither copied back nor kept, so that the forward walks every row with the
+    sanitized labels and the poison factor, as under any capture; a replay reads the launch's
+    values (``check_replayed``). Nothing else: no deferred check raised, none begun ahead taken."""
+    return _begin_fused(
+        fused_check, labels.long().contiguous(), vocab, ignore_index, reduction, num_items,
+        shape_key=shape_key, work_gflop=work_gflop, read=False,
     )  # fmt: skip
 
 
@@ -262,16 +300,50 @@ def _remember_share(key: tuple, n_rows: int) -> Callable[[int], None]:
 
 def reads_first(pending: PendingLabels, tuning: Tuning) -> bool:
     """Whether the forward reads its check's answer before its token pass, to skip the ignored
-    rows: always where the answer is already on the host when it is begun (the CPU) or with
-    ``Tuning.wait_to_skip_gflop`` 0 (as before issue 43); on CUDA otherwise only where waiting
-    for it pays (``Tuning.waits_to_skip``) at the share the last check of its shape read here
-    saw. The choice never depends on how far the GPU has got, so neither do the results."""
+    rows: always where the answer is already on the host when it is begun (the CPU); on CUDA as
+    ``waits_for_check`` says. The choice never depends on how far the GPU has got, so neither do
+    the results."""
     started = pending.started
     if started is None:
         return False
-    if started.ready is None or tuning.wait_to_skip_gflop == 0:
+    return started.ready is None or waits_for_check(pending.shape_key, pending.work_gflop, tuning)
+
+
+def waits_for_check(shape_key: tuple, work_gflop: float, tuning: Tuning) -> bool:
+    """Whether a CUDA forward of shape ``shape_key`` with ``work_gflop`` GFLOP of GEMMs over every
+    row reads its label check first: always with ``Tuning.wait_to_skip_gflop`` 0 (as before issue
+    43), else only where waiting for it pays (``Tuning.waits_to_skip``) at the share the last
+    check of its shape read here saw."""
+    if tuning.wait_to_skip_gflop == 0:
         return True
-    return tuning.waits_to_skip(pending.expected_share(), pending.work_gflop)
+    return tuning.waits_to_skip(_IGNORED_SHARE.get(shape_key, 1.0), work_gflop)
+
+
+def check_replayed(
+    labels: Tensor,
+    vocab: int,
+    ignore_index: int,
+    reduction: str,
+    num_items: NumItems,
+    fused_check: FusedCheck,
+    done: FusedLabels,
+    shape_key: tuple,
+) -> None:
+    """The label check of a forward replayed from a CUDA graph (``call_graph``), which ran the
+    check's launch (``fused_check``; ``done``: what it left in the graph's buffers, rewritten by
+    the next replay) and walked every row without reading it: handled as ``finish_label_check``
+    handles a check it does not read first. A check begun ahead for these labels is taken
+    instead of copying the graph's; its error is raised now if its answer has come, else the
+    check is deferred (``deferred_checks``)."""
+    ahead = _taken_ahead(labels, vocab, ignore_index, reduction, num_items, fused_check)
+    started = None if ahead is None else ahead.started
+    if started is None:
+        user_divisor = None if num_items.tensor is None else done.divisor.clone()
+        started = validation.check_from_stats(labels, vocab, ignore_index, user_divisor, done.stats)
+    if started.is_ready():
+        started.result()
+    else:
+        deferred_checks.defer(started, _remember_share(shape_key, labels.shape[0]))
 
 
 def expects_skip(pending: PendingLabels, tuning: Tuning) -> bool:

@@ -70,13 +70,15 @@ class Tuning:
             GEMM takes its chunk loop's decisions once per signature and then issues only its
             launches (``cross_entropy/one_chunk.py``): the same bits, less host time a call
             (item 63). ``False``: every call takes them again.
-        call_graphs: on CUDA, a plan's launches are captured once as a CUDA graph and later
-            plain eager calls replay it (``cross_entropy/plan_graph.py``): the same bits, 0.1-0.5
-            ms less host time a call on an H200 (item 66), at the cost of the memory each graph
-            keeps between calls (its logits chunk, partials, row results and gradients; at most
-            four graphs). A replay runs only on the stream its graph was captured for, one
-            thread at a time. Off by default: in training steps (item 68) a graph kept about
-            grad_W's size more at the peak and bought no time measurable above the noise.
+        call_graphs: on CUDA, a plain eager forward that does not wait for its label check is
+            captured whole (label check, chunk loop, loss) as a CUDA graph at its signature's
+            second call, and later calls replay it (``cross_entropy/call_graph.py``,
+            ``graphed_forward.py``): the same bits, and on an H200 a call's host time within
+            0.2-0.5 ms of eager's instead of 0.5-1.4 ms above it (item 74), at the cost of the
+            memory each graph keeps between calls (what its forward allocates: logits chunks,
+            row results, gradients; at most four graphs), and for a head tied to its embedding
+            one grad_W more at every step (item 72). A replay runs only on the stream its graph
+            was captured for, one thread at a time. Off by default, for that memory.
         check_labels_ahead: a caller that knows a forward's labels before its loss (a patched
             model, before its body runs: ``functional.check_labels_ahead``) queues the loss's
             label check then (``core/early_checks.py``), so a forward that waits for it to skip

@@ -34,7 +34,7 @@ from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.grad_weight_layout import grad_weight_buffers
 from liger_patch.ops.core.walked_rows import Chunk
-from liger_patch.ops.cross_entropy import plan_graph
+from liger_patch.ops.cross_entropy import call_graph
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
 from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for
@@ -183,4 +183,4 @@ def learn(key: tuple, call: ChunkCall) -> None:
 def forget() -> None:
     """Drop every plan and graph: each signature is then planned again from its next two calls."""
     _PLANS.clear()
-    plan_graph.forget()
+    call_graph.forget()

@@ -36,20 +36,21 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import head_start
+from liger_patch.ops.core import deferred_checks, head_start
 from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     NumItems,
+    PendingLabels,
     arrived_ahead,
     begin_label_check,
     expects_skip,
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows, weighted_total
-from liger_patch.ops.cross_entropy import chunk_plan, one_chunk, plan_graph
+from liger_patch.ops.cross_entropy import call_graph, chunk_plan, graphed_forward, one_chunk
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
@@ -205,16 +206,52 @@ def _flce_eager(*args) -> _Outputs:
 
 
 def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
-    """``_flce``'s body, its empty outputs made by ``empties``."""
+    """``_flce``'s body, its empty outputs made by ``empties``: for the eager twin (a plain eager
+    call) replayed from a CUDA graph where one may serve it (``graphed_forward``)."""
     opts = LossOptions.from_key(args.options)
-    cw = ClassWeight.of(args.class_weight)
-    hidden, weight, labels = args.hidden, args.weight, args.labels
+    hidden, weight = args.hidden, args.weight
     backend = row_backend(opts.backend, hidden.device)
-    pending = begin_label_check(
-        labels, weight.shape[0], opts.ignore_index, opts.reduction, None if cw is None else cw.weight,
-        NumItems(args.num_items, args.num_items_value), (hidden.device, labels.shape[0], weight.shape[0]),
-        _gemm_gflop(hidden, weight, opts.reduction, args.needs), backend.label_check,
+    shape_key = (hidden.device, args.labels.shape[0], weight.shape[0])
+    gflop = _gemm_gflop(hidden, weight, opts.reduction, args.needs)
+    if empties.shared:
+        key = graphed_forward.signature(args, opts, backend, shape_key, gflop)
+        if key is not None:
+            deferred_checks.raise_ready()  # first, as begin_label_check does
+            return call_graph.run(_GRAPHED, key, weight, (args, opts, backend, shape_key, gflop))
+    cw = ClassWeight.of(args.class_weight)
+    pending = _begin(args, opts, backend, shape_key, gflop, cw)
+    return _checked_forward(args, opts, backend, pending, empties, cw)
+
+
+def _begin(
+    args: ForwardInputs,
+    opts: LossOptions,
+    backend: RowBackend,
+    shape_key: tuple,
+    gflop: float,
+    cw: ClassWeight | None = None,
+) -> PendingLabels:
+    """The forward's label check, begun (``kept_rows.begin_label_check``); ``cw``: the class
+    weights' record, where ``args`` has them."""
+    weights = None if cw is None else cw.weight
+    return begin_label_check(
+        args.labels, args.weight.shape[0], opts.ignore_index, opts.reduction, weights,
+        NumItems(args.num_items, args.num_items_value), shape_key, gflop, backend.label_check,
     )  # fmt: skip
+
+
+def _checked_forward(
+    args: ForwardInputs,
+    opts: LossOptions,
+    backend: RowBackend,
+    pending: PendingLabels,
+    empties: EmptyOutputs,
+    cw: ClassWeight | None = None,
+) -> _Outputs:
+    """The forward once its label check is begun: the check finished, then one plan's launches
+    where one serves the call, else the chunk loop; the outputs as a tuple. ``cw``: the class
+    weights' record, where ``args`` has them."""
+    hidden, weight = args.hidden, args.weight
     call, head, budget_all = None, None, None
     if expects_skip(pending, opts.tuning) and not arrived_ahead(pending):  # computed while the host waits
         call = _forward_call(opts, backend, args, pending.labels, cw)
@@ -224,10 +261,7 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
     plan = one_chunk.planned(key, backend)
     if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
-        if empties.shared:  # the eager twin, a plain eager call: replayed from a graph where one serves
-            res = plan_graph.run(plan, key, hidden, weight, checked.labels, coef, opts)
-        else:
-            res = plan.run(hidden, weight, checked.labels, coef, opts)
+        res = plan.run(hidden, weight, checked.labels, coef, opts)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
     call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
     call = _checked_call(call, checked, head, budget_all)
@@ -236,6 +270,9 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
     with autocast_off(hidden.device.type):
         res = run_chunks(call)
     return tuple(_forward_outputs(opts, call.outputs, res, checked, empties))
+
+
+_GRAPHED = graphed_forward.GraphedForward(_begin, _checked_forward)
 
 
 flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())

@@ -58,7 +58,7 @@ def _run(case, ignore_index, plans: bool, **opts):
     """Loss (and any other output) and gradients of one forward + backward."""
     for t in case.grad_leaves().values():
         t.grad = None
-    # No graphs (test_plan_graph.py): a capture runs the plan once more, uncounted here.
+    # No graphs (test_call_graph.py): a capture runs the plan once more, uncounted here.
     tuning = Tuning(call_plans=plans, call_graphs=False)
     out = call_op(case, ignore_index=ignore_index, tuning=tuning, **opts)
     outs = out if isinstance(out, tuple) else (out,)

@@ -1,15 +1,15 @@
-"""``plan_graph``: a call plan's launches captured as a CUDA graph and replayed. Replays must give
-the plan's bits (``Tuning(call_graphs=False)``) for new values, labels and ignored positions of the
-signature; must never rewrite an output that something still holds (a kept gradient, a gradient
-being accumulated); must not run while the weight is elsewhere or on another stream; must stay out
-of a caller's own capture; and a bad label must still raise. ``GraphCache``'s bookkeeping (when to
-capture, refuse, drop and evict; one caller at a time) is tested with stand-in graphs on any device.
+"""``call_graph`` and ``graphed_forward``: the whole eager forward captured as a CUDA graph and
+replayed. Replays must give the bits of calls without graphs (``Tuning(call_graphs=False)``) for
+new values, labels and ignored positions of the signature; must never rewrite an output that
+something still holds (a kept gradient, a gradient being accumulated); must not run while the
+weight is elsewhere or on another stream; must stay out of a caller's own capture; must leave a
+forward that waits for its label check to it; and a bad label or ``num_items_in_batch`` must
+still raise, with its message. ``GraphCache``'s bookkeeping (when to capture, refuse, drop and
+evict; one caller at a time) is tested with stand-in graphs on any device.
 
-A signature's calls: the first is seen, the second makes the plan, the third runs it (noting
-where the weight is), the fourth captures the graph and replays it for itself, as do the later
-ones.
-(tests/conftest.py starts every test with no plan and no graph.) Graphs need a GPU; on the CPU
-the plan runs and nothing is captured."""
+A signature's calls: the first runs plainly, noting where the weight is; the second captures the
+graph and replays it for itself, as do the later ones. (tests/conftest.py starts every test with
+no plan and no graph.) Graphs need a GPU; on the CPU nothing is captured."""
 
 import threading
 import time
@@ -21,23 +21,34 @@ from op_helpers import (
     call_op,
     call_raw,
     capture_step,
+    checks_taken_ahead,
     fresh_values,
     make_case,
     raises_by_step,
     record_calls,
 )
 
+from liger_patch.ops.core import early_checks
 from liger_patch.ops.core.tuning import Tuning
-from liger_patch.ops.cross_entropy import one_chunk, plan_graph
-from liger_patch.ops.cross_entropy.plan_graph import GraphCache
+from liger_patch.ops.cross_entropy import call_graph, one_chunk
+from liger_patch.ops.cross_entropy.call_graph import GraphCache
+from liger_patch.ops.cross_entropy.functional import check_labels_ahead
 
 H, V, N = 64, 320, 45  # 16-byte aligned rows; N odd, not a multiple of any tile
 GRAPHS, NO_GRAPHS = Tuning(call_graphs=True), Tuning(call_graphs=False)
 
 
 def _replays(monkeypatch) -> list:
-    """One entry per replay (nothing of its results kept: a kept output would stop the next replay)."""
-    return record_calls(monkeypatch, plan_graph.PlanGraph, "replay", lambda args, kwargs, result: None)
+    """One entry per replay begun (counted before it runs: a replay may raise a label check's
+    error; nothing of its results kept: a kept output would stop the next replay)."""
+    replays, real = [], call_graph.CallGraph.replay
+
+    def spy(self, inputs):
+        replays.append(None)
+        return real(self, inputs)
+
+    monkeypatch.setattr(call_graph.CallGraph, "replay", spy)
+    return replays
 
 
 def _needs_gpu(device) -> None:
@@ -67,16 +78,16 @@ def _copies(result) -> tuple:
 
 
 def _graphs() -> list:
-    return plan_graph._GRAPHS.graphs()
+    return call_graph._GRAPHS.graphs()
 
 
 def _graphed_case(monkeypatch, gen, device):
-    """A case whose signature has its graph, replayed once (by its fourth call, which captured
+    """A case whose signature has its graph, replayed once (by its second call, which captured
     it), and the replays' record (``_replays``) from then on."""
     _needs_gpu(device)
     replays = _replays(monkeypatch)
     case = _case(gen, device)
-    for _ in range(4):
+    for _ in range(2):
         _call(case, GRAPHS)
     assert len(replays) == 1 and len(_graphs()) == 1
     return case, replays
@@ -103,7 +114,7 @@ def test_replays_give_the_plans_bits(monkeypatch, gen, device, option, needs):
             fresh_values(case, gen, reignore=True)
             graphed = _copies(_call(case, GRAPHS, **OPTIONS[option]))
             assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS, **OPTIONS[option])))
-        assert len(replays) == 4, dtype  # calls 4-7
+        assert len(replays) == 6, dtype  # calls 2-7
 
 
 def test_a_held_output_is_never_rewritten(monkeypatch, gen, device):
@@ -166,8 +177,10 @@ def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):
     case.weight = original
     _call(case, GRAPHS)
     assert len(replays) == 2
-    case.weight = moved()
-    for _ in range(plan_graph._MAX_MISSES):
+    elsewhere = []  # kept alive, so that each call finds the weight somewhere new
+    for _ in range(call_graph._MAX_MISSES):
+        case.weight = moved()
+        elsewhere.append(case.weight)
         _call(case, GRAPHS)
     assert not _graphs()
     case.weight = original
@@ -227,6 +240,91 @@ def test_a_bad_label_still_raises(monkeypatch, gen, device):
         _call(case, GRAPHS)
 
 
+def test_a_forward_of_several_chunks_is_graphed_whole(monkeypatch, gen, device):
+    """A forward that no plan serves (three token chunks here) is captured whole as well."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    chunked = {on: Tuning(call_graphs=on, chunk_rows=16, min_token_chunk_rows=1) for on in (True, False)}
+    for _ in range(4):
+        fresh_values(case, gen, reignore=True)
+        graphed = _copies(_call(case, chunked[True]))
+        assert_same_bits(graphed, _copies(_call(case, chunked[False])))
+    assert len(replays) == 3
+
+
+def test_num_items_in_batch_tensors_replay_and_a_bad_one_raises(monkeypatch, gen, device):
+    """The divisor is an input of the graph: new values replay with the right loss; a negative
+    one raises with its value, as without graphs."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for count in (37, 11, 90):
+        items = torch.tensor(count, device=device)
+        fresh_values(case, gen, reignore=True)
+        graphed = _copies(_call(case, GRAPHS, num_items_in_batch=items))
+        assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS, num_items_in_batch=items)))
+    assert len(replays) == 2
+    with raises_by_step(ValueError, match="num_items_in_batch must be finite and >= 0, got -3"):
+        _call(case, GRAPHS, num_items_in_batch=torch.tensor(-3, device=device))
+    assert len(replays) == 3
+
+
+def test_a_bad_labels_error_after_a_replay_names_it(monkeypatch, gen, device):
+    case, replays = _graphed_case(monkeypatch, gen, device)
+    case.labels[3] = V + 2
+    with raises_by_step(IndexError, match=f"label {V + 2} at flat position 3 is outside"):
+        _call(case, GRAPHS)
+    assert len(replays) == 2
+
+
+def test_kept_losses_keep_their_values_and_hold_back_no_replay(monkeypatch, gen, device):
+    """A caller keeps the loss and z-loss it logs: a replay hands out copies of them, so kept
+    ones neither stop the next replay nor change."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    opts = {"z_loss_scale": 1e-2, "return_z_loss": True}
+    kept = []
+    for _ in range(5):
+        fresh_values(case, gen, reignore=True)
+        (loss, z_loss), _ = _call(case, GRAPHS, **opts)
+        (ref_loss, ref_z), _ = _call(case, NO_GRAPHS, **opts)
+        kept.append(((loss, z_loss), (ref_loss.detach().clone(), ref_z.detach().clone())))
+    assert len(replays) == 4
+    for graphed, reference in kept:
+        assert_same_bits(tuple(t.detach() for t in graphed), reference)
+
+
+def test_a_check_begun_ahead_is_taken_by_a_replay(monkeypatch, gen, device):
+    """A patched model begins its labels' check before its body: a replay takes that check (its
+    answer, no copy of the graph's) and leaves none behind; a bad label still raises."""
+    case, replays = _graphed_case(monkeypatch, gen, device)
+    taken = checks_taken_ahead(monkeypatch)
+    for _ in range(2):
+        fresh_values(case, gen, reignore=True)
+        check_labels_ahead(case.labels, V, ignore_index=case.ignore_index, tuning=GRAPHS)
+        _call(case, GRAPHS)
+    assert taken == [True, True] and len(replays) == 3 and not early_checks.waiting()
+    case.labels[5] = -7
+    check_labels_ahead(case.labels, V, ignore_index=case.ignore_index, tuning=GRAPHS)
+    with raises_by_step(IndexError, match="label -7 at flat position 5 is outside"):
+        _call(case, GRAPHS)
+    assert len(replays) == 4
+
+
+def test_a_forward_that_reads_its_check_first_is_not_graphed(monkeypatch, gen, device):
+    """A forward that waits for its label check (to skip the ignored rows) takes decisions from
+    the GPU's answer: never graphed."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for _ in range(4):
+        fresh_values(case, gen, reignore=True)
+        _call(case, Tuning(call_graphs=True, wait_to_skip_gflop=0))
+    assert not replays and not call_graph._GRAPHS.entries
+
+
 def test_graphs_off_by_default_turned_off_or_on_the_cpu_make_none(monkeypatch, gen, device):
     runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -235,18 +333,18 @@ def test_graphs_off_by_default_turned_off_or_on_the_cpu_make_none(monkeypatch, g
     for tuning in tunings:
         for _ in range(6):
             _call(case, tuning)
-    assert len(runs) >= 3 * len(tunings) and not plan_graph._GRAPHS.entries  # planned, never captured
+    assert len(runs) >= 3 * len(tunings) and not call_graph._GRAPHS.entries  # planned, never captured
 
 
 def test_at_most_a_few_graphs_are_kept(gen, device):
     _needs_gpu(device)
-    for n in range(N, N + plan_graph._MAX_GRAPHS + 2):
+    for n in range(N, N + call_graph._MAX_GRAPHS + 2):
         case = make_case(gen, (n,), H, V, dtype=torch.bfloat16, device=device, ignore="mixed")
         for _ in range(4):
             _call(case, GRAPHS)
-    assert len(_graphs()) == plan_graph._MAX_GRAPHS
-    plan_graph.forget()
-    assert not plan_graph._GRAPHS.entries
+    assert len(_graphs()) == call_graph._MAX_GRAPHS
+    call_graph.forget()
+    assert not call_graph._GRAPHS.entries
 
 
 # ``GraphCache``'s bookkeeping with stand-ins: a plan that counts its runs, graphs that count their
@@ -257,7 +355,7 @@ class _Plan:
     def __init__(self) -> None:
         self.runs = 0
 
-    def run(self, hidden, weight, labels, coef, opts):
+    def run(self, *inputs):
         self.runs += 1
         return "run"
 
@@ -268,16 +366,17 @@ class _Graph:
     made: list = []
     fail: BaseException | None = None
 
-    def __init__(self, plan, hidden, weight, labels, coef, opts, stream) -> None:
+    def __init__(self, plan, weight, stream, inputs) -> None:
         if _Graph.fail is not None:
             raise _Graph.fail
         self.plan, self.weight, self.stream, self.held, self.replays = plan, weight, stream, False, 0
+        self.weight_ptr = weight.data_ptr()
         _Graph.made.append(self)
 
     def serves(self, weight, stream) -> bool:
         return weight.data_ptr() == self.weight.data_ptr() and stream == self.stream and not self.held
 
-    def replay(self, hidden, labels, coef):
+    def replay(self, inputs):
         self.replays += 1
         return "replay"
 
@@ -294,7 +393,7 @@ def _weight() -> torch.Tensor:
 
 
 def _calls(cache, plan, key, weight, n, stream="s0") -> list:
-    return [cache.run(plan, key, None, weight, None, None, None, stream) for _ in range(n)]
+    return [cache.run(plan, key, weight, stream, (None,)) for _ in range(n)]
 
 
 def test_the_second_call_at_one_address_captures_and_replays(cache):
@@ -311,12 +410,22 @@ def test_a_weight_that_moves_at_every_call_is_never_captured(cache):
     assert plan.runs == 6 and not _Graph.made
 
 
+def test_a_weight_that_moved_and_stays_is_captured_again_there(cache):
+    """A model loaded anew: its weight's new address, found by two calls in a row, gets a graph of
+    its own, the old one dropped; a weight moving back and forth between two places keeps one."""
+    plan, old, new = _Plan(), _weight(), _weight()
+    _calls(cache, plan, "k", old, 2)
+    assert _calls(cache, plan, "k", new, 3) == ["run", "replay", "replay"]
+    assert len(_Graph.made) == 2 and cache.graphs() == [_Graph.made[1]]
+    assert [_calls(cache, plan, "k", w, 1)[0] for w in (old, new, old, new)] == ["run", "replay"] * 2
+
+
 def test_refusals_in_a_row_drop_the_graph_for_good(cache):
     plan, weight = _Plan(), _weight()
     _calls(cache, plan, "k", weight, 3)
-    assert _calls(cache, plan, "k", weight, plan_graph._MAX_MISSES - 1, stream="s1") == ["run"] * 7
+    assert _calls(cache, plan, "k", weight, call_graph._MAX_MISSES - 1, stream="s1") == ["run"] * 7
     assert _calls(cache, plan, "k", weight, 1) == ["replay"]  # a replay ends the run of refusals
-    assert _calls(cache, plan, "k", weight, plan_graph._MAX_MISSES, stream="s1") == ["run"] * 8
+    assert _calls(cache, plan, "k", weight, call_graph._MAX_MISSES, stream="s1") == ["run"] * 8
     assert not cache.graphs()
     assert _calls(cache, plan, "k", weight, 4) == ["run"] * 4 and len(_Graph.made) == 1
 
@@ -331,24 +440,24 @@ def test_a_held_output_refuses_the_replay(cache):
 
 
 def test_the_least_recently_replayed_graph_makes_room_and_may_come_back(cache):
-    plans, weight = {k: _Plan() for k in range(plan_graph._MAX_GRAPHS + 1)}, _weight()
-    for k in range(plan_graph._MAX_GRAPHS):
+    plans, weight = {k: _Plan() for k in range(call_graph._MAX_GRAPHS + 1)}, _weight()
+    for k in range(call_graph._MAX_GRAPHS):
         _calls(cache, plans[k], k, weight, 2)
     for k in (0, 2, 3):  # 1 is the least recently replayed
         _calls(cache, plans[k], k, weight, 1)
     _calls(cache, plans[4], 4, weight, 2)
     assert {g.plan for g in cache.graphs()} == {plans[k] for k in (0, 2, 3, 4)}
     assert _calls(cache, plans[1], 1, weight, 3) == ["run", "replay", "replay"]  # captured again
-    assert len(cache.graphs()) == plan_graph._MAX_GRAPHS and plans[0] not in {g.plan for g in cache.graphs()}
+    assert len(cache.graphs()) == call_graph._MAX_GRAPHS and plans[0] not in {g.plan for g in cache.graphs()}
 
 
 def test_signatures_taking_turns_stop_capturing(cache):
     """More signatures than graphs, each called in turn: each is captured at most a few times."""
-    plans, weight = {k: _Plan() for k in range(plan_graph._MAX_GRAPHS + 1)}, _weight()
-    for _ in range(4 * plan_graph._MAX_CAPTURES):
+    plans, weight = {k: _Plan() for k in range(call_graph._MAX_GRAPHS + 1)}, _weight()
+    for _ in range(4 * call_graph._MAX_CAPTURES):
         for k, plan in plans.items():
             _calls(cache, plan, k, weight, 2)
-    assert len(_Graph.made) <= len(plans) * plan_graph._MAX_CAPTURES
+    assert len(_Graph.made) <= len(plans) * call_graph._MAX_CAPTURES
 
 
 def test_a_failed_capture_leaves_the_signature_to_its_plan(cache):
@@ -377,9 +486,9 @@ def test_a_plan_made_anew_is_not_replayed_from_the_old_ones_graph(cache):
 
 
 def test_the_signatures_noted_are_bounded(cache):
-    for k in range(plan_graph._MAX_ENTRIES + 5):
+    for k in range(call_graph._MAX_ENTRIES + 5):
         _calls(cache, _Plan(), k, _weight(), 1)
-    assert len(cache.entries) == plan_graph._MAX_ENTRIES and 0 not in cache.entries
+    assert len(cache.entries) == call_graph._MAX_ENTRIES and 0 not in cache.entries
 
 
 def test_a_signature_in_use_outlives_a_stream_of_new_ones(cache):
@@ -391,7 +500,7 @@ def test_a_signature_in_use_outlives_a_stream_of_new_ones(cache):
     with pytest.warns(RuntimeWarning):
         _calls(cache, failing, "failed", weight, 2)
     _Graph.fail = None
-    for k in range(3 * plan_graph._MAX_ENTRIES):
+    for k in range(3 * call_graph._MAX_ENTRIES):
         _calls(cache, _Plan(), ("padded", k), _weight(), 1)
         if k % 64 == 0:
             assert _calls(cache, plan, "busy", weight, 1) == ["replay"]
@@ -405,11 +514,11 @@ def test_a_graph_captured_by_another_thread_meanwhile_is_kept(cache):
     weight = _weight()
 
     class Racing(_Plan):
-        def run(self, *args):
+        def run(self, *inputs):
             if self.runs == 0:  # B's run: A's two calls inside it
                 self.runs += 1
                 assert _calls(cache, self, "k", weight, 2) == ["run", "replay"]
-            return super().run(*args)
+            return super().run(*inputs)
 
     plan = Racing()
     assert _calls(cache, plan, "k", weight, 1) == ["run"]  # B, with A inside
@@ -429,7 +538,7 @@ def test_one_caller_at_a_time_checks_and_replays(cache):
         time.sleep(1e-4)
         return ok
 
-    def replay(hidden, labels, coef):
+    def replay(inputs):
         overlaps.append(graph.held)
         graph.held = True
         time.sleep(1e-4)
