@@ -41,7 +41,8 @@ label check's shape key and the forward's GEMM work in GFLOP."""
 def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape_key: tuple, gflop: float):
     """What a graph of this call depends on, or ``None`` where no graph may serve it: graphs off
     (``Tuning.call_graphs``), not on CUDA or under a capture, a bias, class weights, a low-rank
-    term or per-row outputs, no rows, no one-launch label check, inputs that are not contiguous
+    term or per-row outputs, a ``num_items_in_batch`` tensor on another device (its copy could not
+    be captured), no rows, no one-launch label check, inputs that are not contiguous
     or not at the base alignment of a new buffer, or a forward that would read its label check
     first now (to skip the ignored rows: that depends on the GPU's answer). The key: the options
     (with their tuning and budget), the budget's and the interpreter's environment variables as
@@ -59,6 +60,7 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
         or opts.return_predicted_tokens
         or opts.return_entropy
         or backend.label_check is None
+        or (items is not None and items.device != hidden.device)
         or labels.shape[0] == 0
         or not (hidden.is_contiguous() and labels.is_contiguous())
         or hidden.data_ptr() % align
@@ -80,7 +82,7 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
         weight.data_ptr() % align,
         labels.dtype,
         labels.shape[0],
-        None if items is None else (items.dtype, items.device, tuple(items.shape)),
+        None if items is None else (items.dtype, tuple(items.shape)),
         args.num_items_value,
         tuple(args.needs),
         torch.is_autocast_enabled(hidden.device.type),

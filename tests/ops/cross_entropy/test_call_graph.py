@@ -270,6 +270,18 @@ def test_num_items_in_batch_tensors_replay_and_a_bad_one_raises(monkeypatch, gen
     assert len(replays) == 3
 
 
+def test_a_num_items_tensor_on_the_cpu_is_never_graphed(monkeypatch, gen, device):
+    """Its copy to the GPU could not be captured: such calls run plainly, with the same bits."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    for count in (29, 31, 33):
+        fresh_values(case, gen, reignore=True)
+        graphed = _copies(_call(case, GRAPHS, num_items_in_batch=torch.tensor(count)))
+        assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS, num_items_in_batch=torch.tensor(count))))
+    assert not replays and not call_graph._GRAPHS.entries
+
+
 def test_a_bad_labels_error_after_a_replay_names_it(monkeypatch, gen, device):
     case, replays = _graphed_case(monkeypatch, gen, device)
     case.labels[3] = V + 2
