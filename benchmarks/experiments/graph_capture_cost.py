@@ -2,7 +2,7 @@
 
 The op with ``Tuning(call_graphs=True)``. A signature's calls: the first runs plainly, the
 second captures the graph of its forward (``cross_entropy/call_graph.py``) and replays it, the
-later ones replay it (until 1689362's tree, whose ``plan_graph`` captured a call plan's
+later ones replay it (before b302839, ``plan_graph`` captured a call plan's
 launches: the first is seen, the second makes the plan, the third runs it, the fourth captures).
 At each ``--shapes`` N,H,V (bf16, 25 % of the labels ignored) with no plan or graph made before,
 prints and writes to ``--out`` (JSON) each of its first ``--calls`` forward + backward calls'

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from liger_patch import env
 from liger_patch.ops.core import kept_rows
 from liger_patch.ops.core.eager_call import EmptyOutputs
 from liger_patch.ops.core.kept_rows import FusedLabels, NumItems, PendingLabels
+from liger_patch.ops.cross_entropy import one_chunk
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.call_graph import static_like
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs, ForwardOutputs
@@ -44,11 +44,11 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
     term or per-row outputs, a ``num_items_in_batch`` tensor on another device (its copy could not
     be captured), no rows, no one-launch label check, inputs that are not contiguous
     or not at the base alignment of a new buffer, or a forward that would read its label check
-    first now (to skip the ignored rows: that depends on the GPU's answer). The key: the options
-    (with their tuning and budget), the budget's and the interpreter's environment variables as
-    they are now, the backend record, every tensor's device, dtype, shape and strides, the
-    ``num_items_in_batch`` number, which inputs want gradients, and whether autocast is on."""
-    hidden, weight, labels, items = args.hidden, args.weight, args.labels, args.num_items
+    first now (to skip the ignored rows: that depends on the GPU's answer). The key: what a call
+    plan's is (``one_chunk.head_key``: the options, environment variables, backend, the hidden
+    states' and weight's layouts, the gradients wanted), the labels' dtype and count, the
+    ``num_items_in_batch`` tensor's dtype and shape or number, and whether autocast is on."""
+    hidden, labels, items = args.hidden, args.labels, args.num_items
     fused = backend.fused_logits
     align = 1 if fused is None else fused.align
     if (
@@ -68,25 +68,9 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
         or kept_rows.waits_for_check(shape_key, gflop, opts.tuning)
     ):
         return None
-    return (
-        args.options,
-        env.memory_budget(),
-        env.triton_interpret(),
-        id(backend),
-        hidden.device,
-        hidden.dtype,
-        tuple(hidden.shape),
-        weight.dtype,
-        tuple(weight.shape),
-        weight.stride(),
-        weight.data_ptr() % align,
-        labels.dtype,
-        labels.shape[0],
-        None if items is None else (items.dtype, tuple(items.shape)),
-        args.num_items_value,
-        tuple(args.needs),
-        torch.is_autocast_enabled(hidden.device.type),
-    )
+    items_key = None if items is None else (items.dtype, tuple(items.shape))
+    extra = (labels.dtype, labels.shape[0], items_key, args.num_items_value)
+    return (*one_chunk.head_key(args, backend, align), *extra, torch.is_autocast_enabled(hidden.device.type))
 
 
 Begin = Callable[[ForwardInputs, LossOptions, RowBackend, tuple, float], PendingLabels]

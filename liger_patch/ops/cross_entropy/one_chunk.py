@@ -47,13 +47,11 @@ _MAX_PLANS = 256
 
 
 def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tuple | None:
-    """Everything a plan depends on, or ``None`` where no plan can serve the call (a backend
-    without a fused logits GEMM or with it turned off, a bias, class weights, a low-rank term, no
-    rows, plans turned off): the options (with their tuning and budget), the budget's and the
-    interpreter's environment variables as they are now, the backend record (``planned`` checks
-    it is the same object), the hidden states' and weight's shapes, strides, dtypes, device and
-    base alignment (what the fused GEMM's ``supported`` reads), and which inputs want gradients."""
-    hidden, weight, fused = args.hidden, args.weight, backend.fused_logits
+    """Everything a plan depends on (``head_key``, with the base alignment that the fused GEMM's
+    ``supported`` reads; ``planned`` checks the backend record is the same object), or ``None``
+    where no plan can serve the call (a backend without a fused logits GEMM or with it turned
+    off, a bias, class weights, a low-rank term, no rows, plans turned off)."""
+    hidden, fused = args.hidden, backend.fused_logits
     tuning = opts.tuning
     if (
         fused is None
@@ -64,6 +62,16 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tu
         or hidden.shape[0] == 0
     ):
         return None
+    return head_key(args, backend, fused.align)
+
+
+def head_key(args: ForwardInputs, backend: RowBackend, align: int) -> tuple:
+    """What a call's decisions depend on beyond its labels: the options (with their tuning and
+    budget), the budget's and the interpreter's environment variables as they are now, the
+    backend record, the hidden states' and weight's device, dtypes, shapes, strides and base
+    alignment (modulo ``align``), and which inputs want gradients (``graphed_forward`` adds the
+    labels' and ``num_items_in_batch``'s)."""
+    hidden, weight = args.hidden, args.weight
     return (
         args.options,
         env.memory_budget(),
@@ -76,8 +84,8 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tu
         hidden.stride(),
         tuple(weight.shape),
         weight.stride(),
-        hidden.data_ptr() % fused.align,
-        weight.data_ptr() % fused.align,
+        hidden.data_ptr() % align,
+        weight.data_ptr() % align,
         tuple(args.needs),
     )
 
