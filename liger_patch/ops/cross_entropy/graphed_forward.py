@@ -42,15 +42,14 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
     """What a graph of this call depends on, or ``None`` where no graph may serve it: graphs off
     (``Tuning.call_graphs``), not on CUDA or under a capture, a bias, class weights, a low-rank
     term or per-row outputs, a ``num_items_in_batch`` tensor on another device (its copy could not
-    be captured), no rows, no one-launch label check, inputs that are not contiguous
-    or not at the base alignment of a new buffer, or a forward that would read its label check
-    first now (to skip the ignored rows: that depends on the GPU's answer). The key: what a call
-    plan's is (``one_chunk.head_key``: the options, environment variables, backend, the hidden
-    states' and weight's layouts, the gradients wanted), the labels' dtype and count, the
-    ``num_items_in_batch`` tensor's dtype and shape or number, and whether autocast is on."""
+    be captured), no rows, no one-launch label check, inputs that are not contiguous, hidden
+    states not at a new buffer's alignment (``_BASE_ALIGN``), or a forward that would read its
+    label check first now (to skip the ignored rows: that depends on the GPU's answer). The key:
+    what a call plan's is (``one_chunk.head_key``: the options, environment variables, backend,
+    the hidden states' and weight's layouts, the gradients wanted), the labels' dtype and count,
+    the ``num_items_in_batch`` tensor's dtype and shape or number, whether autocast is on, and
+    the GEMM settings a graph keeps as captured (``_gemm_settings``)."""
     hidden, labels, items = args.hidden, args.labels, args.num_items
-    fused = backend.fused_logits
-    align = 1 if fused is None else fused.align
     if (
         not (opts.tuning.call_graphs and hidden.is_cuda)
         or args.bias is not None
@@ -63,14 +62,37 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend, shape
         or (items is not None and items.device != hidden.device)
         or labels.shape[0] == 0
         or not (hidden.is_contiguous() and labels.is_contiguous())
-        or hidden.data_ptr() % align
+        or hidden.data_ptr() % _BASE_ALIGN
         or torch.cuda.is_current_stream_capturing()
         or kept_rows.waits_for_check(shape_key, gflop, opts.tuning)
     ):
         return None
     items_key = None if items is None else (items.dtype, tuple(items.shape))
     extra = (labels.dtype, labels.shape[0], items_key, args.num_items_value)
-    return (*one_chunk.head_key(args, backend, align), *extra, torch.is_autocast_enabled(hidden.device.type))
+    autocast = torch.is_autocast_enabled(hidden.device.type)
+    return (*one_chunk.head_key(args, backend, _BASE_ALIGN), *extra, autocast, *_gemm_settings())
+
+
+_BASE_ALIGN = 256
+"""The largest pointer alignment cuBLASLt chooses kernels by (PyTorch tells it up to 256 bytes);
+the graph's buffers, new ones, have at least that: a call's hidden states must too, and the
+weight's alignment is part of the key."""
+
+
+def _gemm_settings() -> tuple:
+    """The global settings cuBLAS reads at every GEMM launch, which a graph keeps as they were at
+    its capture: TF32 and the float32 matmul precision, reduced-precision reductions in half
+    GEMMs, the BLAS library, deterministic algorithms."""
+    matmul = torch.backends.cuda.matmul
+    return (
+        matmul.allow_tf32,
+        getattr(matmul, "fp32_precision", None),
+        torch.get_float32_matmul_precision(),
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cuda.preferred_blas_library(),
+        torch.are_deterministic_algorithms_enabled(),
+    )
 
 
 Begin = Callable[[ForwardInputs, LossOptions, RowBackend, tuple, float], PendingLabels]

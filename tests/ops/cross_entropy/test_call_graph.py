@@ -118,23 +118,28 @@ def test_replays_give_the_plans_bits(monkeypatch, gen, device, option, needs):
 
 
 def test_a_held_output_is_never_rewritten(monkeypatch, gen, device):
-    """Gradients kept from every other call (as a caller keeps what it logs) hold the graph's
-    buffers: those calls' successors run the plan instead, and every kept tensor keeps its values."""
+    """The results of some calls are kept through the next call (as a caller keeps what it
+    logs): that call runs plainly, the one after replays again, and every kept tensor keeps
+    its values."""
     _needs_gpu(device)
     replays = _replays(monkeypatch)
     case = _case(gen, device)
-    kept = []
-    for i in range(12):
+    kept, replayed = None, []
+    for i in range(8):
         fresh_values(case, gen, reignore=True)
+        before = len(replays)
         result = _call(case, GRAPHS)
+        replayed.append(len(replays) > before)
         reference = _copies(_call(case, NO_GRAPHS))
         assert_same_bits(_copies(result), reference)
-        if i % 2:
-            kept.append((result, reference))
+        if kept is not None:
+            assert_same_bits(_copies(kept[0]), kept[1])
+            kept = None
+        if i % 3 == 1:
+            kept = (result, reference)
         del result
-    for result, reference in kept:
-        assert_same_bits(_copies(result), reference)
-    assert 0 < len(replays) < 8  # some calls replayed, none while a kept gradient held its buffer
+    # 0 runs plainly; 1 captures and replays (kept); 2 runs plainly; 4 (kept) and 7 replay.
+    assert replayed == [False, True, False, True, True, False, True, True]
 
 
 def test_accumulated_gradients_equal_the_plans(monkeypatch, gen, device):
@@ -234,10 +239,51 @@ def test_a_callers_own_capture_runs_the_plan_inside_it(monkeypatch, gen, device)
 
 
 def test_a_bad_label_still_raises(monkeypatch, gen, device):
-    case, _ = _graphed_case(monkeypatch, gen, device)
+    case, replays = _graphed_case(monkeypatch, gen, device)
     case.labels[3] = V
     with raises_by_step(IndexError):
         _call(case, GRAPHS)
+    assert len(replays) == 2
+
+
+def test_a_changed_gemm_setting_is_a_signature_of_its_own(monkeypatch, gen, device):
+    """cuBLAS reads TF32 at every launch and a graph keeps it as captured: calls under each
+    setting replay a graph of their own, with the bits of the ungraphed call under it."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device, torch.float32)
+    prior = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for tf32 in (False, False, True, True, False):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            fresh_values(case, gen, reignore=True)
+            graphed = _copies(_call(case, GRAPHS))
+            assert_same_bits(graphed, _copies(_call(case, NO_GRAPHS)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prior
+    assert len(replays) == 3  # calls 2 and 4 capture and replay, call 5 replays the first graph
+
+
+def test_hidden_states_off_a_new_buffers_alignment_are_never_graphed(monkeypatch, gen, device):
+    """cuBLASLt picks kernels by pointer alignment (up to 256 bytes): a view 64 bytes into a
+    buffer runs plainly, with the bits of the ungraphed call."""
+    _needs_gpu(device)
+    replays = _replays(monkeypatch)
+    case = _case(gen, device)
+    base = torch.empty(N * H + 32, dtype=case.hidden.dtype, device=device)
+    for _ in range(3):
+        fresh_values(case, gen, reignore=True)
+        with torch.no_grad():
+            base[32:].copy_(case.hidden.reshape(-1))
+        hidden = base[32:].view(N, H).requires_grad_()
+        outs = {}
+        for tuning in (GRAPHS, NO_GRAPHS):
+            hidden.grad = case.weight.grad = None
+            loss = call_raw(hidden, case.weight, case.labels, ignore_index=case.ignore_index, tuning=tuning)
+            (loss * 1.7).backward()
+            outs[tuning] = (loss.detach().clone(), hidden.grad.clone(), case.weight.grad.clone())
+        assert_same_bits(outs[GRAPHS], outs[NO_GRAPHS])
+    assert not replays and not call_graph._GRAPHS.entries
 
 
 def test_a_forward_of_several_chunks_is_graphed_whole(monkeypatch, gen, device):
