@@ -99,8 +99,8 @@ class PendingLabels:
         return self.keep_mask if self.keep_mask is not None else self.labels != self.ignore_index
 
     def expected_share(self) -> float:
-        """The share of ignored labels the last read check of this shape saw (unknown: 1)."""
-        return _IGNORED_SHARE.get(self.shape_key, 1.0)
+        """The share of ignored labels the last read check of this shape saw (``expected_share``)."""
+        return expected_share(self.shape_key)
 
     @property
     def user_divisor(self) -> Tensor | None:
@@ -289,6 +289,11 @@ def arrived_ahead(pending: PendingLabels) -> bool:
 _IGNORED_SHARE: dict[tuple, float] = {}  # shape key -> share of ignored labels at its last read check
 
 
+def expected_share(shape_key: tuple) -> float:
+    """The share of ignored labels the last read check of shape ``shape_key`` saw (unknown: 1)."""
+    return _IGNORED_SHARE.get(shape_key, 1.0)
+
+
 def _remember_share(key: tuple, n_rows: int) -> Callable[[int], None]:
     def remember(n_kept: int) -> None:
         if len(_IGNORED_SHARE) >= 256 and key not in _IGNORED_SHARE:
@@ -316,7 +321,7 @@ def waits_for_check(shape_key: tuple, work_gflop: float, tuning: Tuning) -> bool
     check of its shape read here saw."""
     if tuning.wait_to_skip_gflop == 0:
         return True
-    return tuning.waits_to_skip(_IGNORED_SHARE.get(shape_key, 1.0), work_gflop)
+    return tuning.waits_to_skip(expected_share(shape_key), work_gflop)
 
 
 def check_replayed(

@@ -154,8 +154,9 @@ class CallGraph:
 
 @dataclass
 class Entry:
-    """What ``GraphCache`` knows of one signature: its graph, where its plan's last run found the
-    weight (no graph yet), how often it was captured, its refusals in a row, its last replay."""
+    """What ``GraphCache`` knows of one signature: its graph, where its plan's last plain run found
+    the weight (``None`` once a capture or a replay came after it), how often it was captured,
+    its refusals in a row, its last replay."""
 
     graph: Graph | None = None
     weight_ptr: int | None = None
