@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.core import deferred_checks
+from liger_patch.ops.core import call_graph, deferred_checks
 from liger_patch.ops.cross_entropy.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
 from liger_patch.ops.reference import reference_flce
 
@@ -531,3 +531,23 @@ def raises_by_step(exc, match=None):
     with pytest.raises(exc, match=match):
         yield
         deferred_checks.raise_pending()
+
+
+def count_replays(monkeypatch) -> list:
+    """One entry per replay of a CUDA graph of the ops' own (``core/call_graph.py``) begun in this
+    test (counted before it runs: a replay may raise a label check's error; nothing of its
+    results kept: a kept output would stop the next replay)."""
+    replays, real = [], call_graph.CallGraph.replay
+
+    def spy(self, inputs):
+        replays.append(None)
+        return real(self, inputs)
+
+    monkeypatch.setattr(call_graph.CallGraph, "replay", spy)
+    return replays
+
+
+def needs_gpu_for_graphs(device) -> None:
+    """Skip where ``device`` is not CUDA: the ops capture graphs of their own only there."""
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU: this runs in tests/gpu_suite.sh")

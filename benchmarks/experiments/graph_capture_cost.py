@@ -1,7 +1,7 @@
 """Probe: the host time of a signature's first calls, the graph's capture among them (issue 43).
 
 The op with ``Tuning(call_graphs=True)``. A signature's calls: the first runs plainly, the
-second captures the graph of its forward (``cross_entropy/call_graph.py``) and replays it, the
+second captures the graph of its forward (``core/call_graph.py``) and replays it, the
 later ones replay it (before b302839, ``plan_graph`` captured a call plan's
 launches: the first is seen, the second makes the plan, the third runs it, the fourth captures).
 At each ``--shapes`` N,H,V (bf16, 25 % of the labels ignored) with no plan or graph made before,

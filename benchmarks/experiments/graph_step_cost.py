@@ -44,7 +44,7 @@ from host_bound import (  # noqa: E402
 )
 
 from liger_patch.ops.core.tuning import Tuning  # noqa: E402
-from liger_patch.ops.cross_entropy import call_graph  # noqa: E402
+from liger_patch.ops.core import call_graph  # noqa: E402
 
 GiB = float(1 << 30)
 

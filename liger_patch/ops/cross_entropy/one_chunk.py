@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from liger_patch import env
+from liger_patch.ops.core import call_graph
 from liger_patch.ops.core.bounded import keep_bounded, touched
 from liger_patch.ops.core.budget import ChunkPlan
 from liger_patch.ops.core.contexts import autocast_off, without_grad
@@ -34,7 +35,6 @@ from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.grad_weight_layout import grad_weight_buffers
 from liger_patch.ops.core.walked_rows import Chunk
-from liger_patch.ops.cross_entropy import call_graph
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
 from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for

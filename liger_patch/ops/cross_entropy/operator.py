@@ -36,10 +36,11 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import deferred_checks, head_start
+from liger_patch.ops.core import call_graph, deferred_checks, head_start
 from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
+from liger_patch.ops.core.graphed_forward import GraphedForward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     NumItems,
@@ -50,7 +51,7 @@ from liger_patch.ops.core.kept_rows import (
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows, weighted_total
-from liger_patch.ops.cross_entropy import call_graph, chunk_plan, graphed_forward, one_chunk
+from liger_patch.ops.cross_entropy import chunk_plan, graphed_forward, one_chunk
 from liger_patch.ops.cross_entropy.autograd import backward, setup_context
 from liger_patch.ops.cross_entropy.backends import RowBackend, row_backend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted, HeadInputs
@@ -272,7 +273,7 @@ def _checked_forward(
     return tuple(_forward_outputs(opts, call.outputs, res, checked, empties))
 
 
-_GRAPHED = graphed_forward.GraphedForward(_begin, _checked_forward)
+_GRAPHED = GraphedForward(_begin, _checked_forward, graphed_forward.LAYOUT)
 
 
 flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())

@@ -1,12 +1,12 @@
 """A call's device work captured once as a CUDA graph, then replayed: one launch instead of many.
 
-A plain eager call of the fused loss issues its launches one by one, and around them the host
-runs the call's Python: its label check, its chunk plan, its loss. Where a call's signature
-(``graphed_forward.signature``) says that every call like it takes the same decisions, the
-whole forward is captured as a CUDA graph and later calls replay it: the host copies the call's
-inputs into the graph's, launches the graph and reads its outputs, and none of that Python runs
-(docs/perf-notes.md item 74). ``run`` does this for a plan (``Graphable``: ``graphed_forward``'s)
-of a call on CUDA:
+A plain eager call of a fused loss issues its launches one by one, and around them the host runs
+the call's Python: its label check, its chunk plan, its loss. Where a call's signature (the
+``signature`` of ``cross_entropy/graphed_forward.py`` or ``distillation/graphed_forward.py``)
+says that every call like it takes the same decisions, the whole forward is captured as a CUDA
+graph and later calls replay it: the host copies the call's inputs into the graph's, launches the
+graph and reads its outputs, and none of that Python runs (docs/perf-notes.md item 74). ``run``
+does this for a plan (``Graphable``: ``core/graphed_forward.GraphedForward``) of a call on CUDA:
 
 * The plan's first plain run of a signature notes where the weight is. The next call that finds
   it there again captures the plan on a side stream before it runs anything of its own (after
@@ -56,7 +56,8 @@ from liger_patch.ops.core.bounded import keep_bounded, touched
 
 
 class Graphable(Protocol):
-    """What a graph captures, for calls whose inputs are a tuple (``graphed_forward.GraphedForward``).
+    """What a graph captures, for calls whose inputs are a tuple
+    (``graphed_forward.GraphedForward``).
 
     ``run(*inputs)``: the plain run. ``static(*inputs)``: inputs of the graph's own, with the
     call's values (what a replay copies new values into); ``copy_in(static, inputs)``: copies
@@ -96,11 +97,6 @@ def _use_count(t: Tensor) -> int:
     """How many holders ``t``'s storage has (counted the same way every time: the temporary
     storage object asked counts one)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-def static_like(t: Tensor) -> Tensor:
-    """A graph's input buffer of ``t``'s shape, strides and dtype on its device."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # made under ``GraphCache``'s lock
