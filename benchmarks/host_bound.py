@@ -103,7 +103,7 @@ class Plan:
     max_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # a model's largest batch
     distill_n: tuple[int, ...] = ()
     distill_heads: tuple[tuple[int, int, int], ...] = ()  # (student H, teacher H, V)
-    call_graphs: bool = False  # the op rows' "ours" with Tuning(call_graphs=True)
+    call_graphs: bool = False  # the op and distill rows' "ours" with Tuning(call_graphs=True)
 
 
 GPU_PLAN = Plan(
@@ -220,7 +220,7 @@ def ours_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) 
 
 def ours_with_graphs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The op with ``Tuning(call_graphs=True)``: its eager forward replayed as a CUDA graph
-    (``cross_entropy/call_graph.py``; off by default), for the probes that weigh graphs."""
+    (``core/call_graph.py``; off by default), for the probes that weigh graphs."""
     return _ours_tuned(hidden, weight, labels, _tuning(True))
 
 
@@ -346,11 +346,13 @@ def eager_distill(hidden, weight, labels, *, teacher: tuple[torch.Tensor, torch.
     return (per_token * keep).sum() / keep.sum().clamp_min(1)
 
 
-def ours_distill(hidden, weight, labels, *, teacher: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Our fused distillation at its defaults, the same loss."""
+def ours_distill(
+    hidden, weight, labels, *, teacher: tuple[torch.Tensor, torch.Tensor], tuning=None
+) -> torch.Tensor:
+    """Our fused distillation at its defaults (or with ``tuning``), the same loss."""
     import liger_patch as lp
 
-    return lp.fused_linear_distillation(hidden, weight, *teacher, labels, beta=DISTILL_BETA)
+    return lp.fused_linear_distillation(hidden, weight, *teacher, labels, beta=DISTILL_BETA, tuning=tuning)
 
 
 def distill_row(n: int, hs: int, ht: int, v: int, ignored: float, plan: Plan, backlog: Backlog) -> dict:
@@ -362,13 +364,17 @@ def distill_row(n: int, hs: int, ht: int, v: int, ignored: float, plan: Plan, ba
     gen = torch.Generator(device=plan.device).manual_seed(2)
     t_h = torch.randn(n, ht, generator=gen, device=plan.device).to(plan.dtype)
     t_w = (torch.randn(v, ht, generator=gen, device=plan.device) * (LOGIT_STD / math.sqrt(ht))).to(plan.dtype)
+    tuning = _tuning(True) if plan.call_graphs else None
     calls = {
-        "ours": partial(fwd_bwd, partial(ours_distill, teacher=(t_h, t_w)), hidden, weight, labels),
+        "ours": partial(
+            fwd_bwd, partial(ours_distill, teacher=(t_h, t_w), tuning=tuning), hidden, weight, labels
+        ),
         "eager": partial(fwd_bwd, partial(eager_distill, teacher=(t_h, t_w)), hidden, weight, labels),
     }
     timed = timed_pair(calls, plan, backlog)
     hidden.grad = weight.grad = None
-    return {"part": "distill", "N": n, "H_student": hs, "H_teacher": ht, "V": v, "ignored": ignored, **timed}
+    row = {"part": "distill", "N": n, "H_student": hs, "H_teacher": ht, "V": v, "ignored": ignored, **timed}
+    return {**row, "call_graphs": True} if plan.call_graphs else row
 
 
 def distill_rows(plan: Plan) -> Iterator[dict]:
@@ -685,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: a check of the script")
     parser.add_argument("--models", nargs="+", default=None, help="the step part's models (default: all)")
     parser.add_argument(
-        "--call-graphs", action="store_true", help="the op rows' ours with Tuning(call_graphs=True)"
+        "--call-graphs",
+        action="store_true",
+        help="the op and distill rows' ours with Tuning(call_graphs=True)",
     )
     args = parser.parse_args(argv)
     parts = args.parts.split(",")

@@ -70,15 +70,17 @@ class Tuning:
             GEMM takes its chunk loop's decisions once per signature and then issues only its
             launches (``cross_entropy/one_chunk.py``): the same bits, less host time a call
             (item 63). ``False``: every call takes them again.
-        call_graphs: on CUDA, a plain eager forward that does not wait for its label check is
-            captured whole (label check, chunk loop, loss) as a CUDA graph at its signature's
-            second call, and later calls replay it (``cross_entropy/call_graph.py``,
-            ``graphed_forward.py``): the same bits, and on an H200 a call's host time 0.1-0.5
-            ms above eager's instead of 0.9-2.1 ms at 256-1,024 tokens (items 70, 74), at the
-            cost of the memory each graph keeps between calls (what its forward allocates:
-            logits chunks, row results, gradients; at most four graphs), and for a head tied to
-            its embedding one grad_W more at every step (item 72). A replay runs only on the stream its graph
-            was captured for, one thread at a time. Off by default, for that memory.
+        call_graphs: on CUDA, a plain eager forward of either loss that does not wait for its
+            label check is captured whole (label check, chunk loop, loss) as a CUDA graph at
+            its signature's second call, and later calls replay it (``core/call_graph.py``,
+            ``core/graphed_forward.py``): the same bits, and on an H200 a cross-entropy call's
+            host time 0.1-0.5 ms above eager's instead of 0.9-2.1 ms at 256-1,024 tokens
+            (items 70, 74), a distillation call's 1.5-1.8 ms, below eager's 2.2-2.8, instead
+            of 2.3-5.2 (item 75), at the cost of the memory each graph keeps between calls
+            (what its forward allocates: logits chunks, row results, gradients; at most four
+            graphs), and for a head tied to its embedding one grad_W more at every step (item
+            72). A replay runs only on the stream its graph was captured for, one thread at a
+            time. Off by default, for that memory.
         check_labels_ahead: a caller that knows a forward's labels before its loss (a patched
             model, before its body runs: ``functional.check_labels_ahead``) queues the loss's
             label check then (``core/early_checks.py``), so a forward that waits for it to skip

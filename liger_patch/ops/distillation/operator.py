@@ -33,20 +33,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from liger_patch.ops.core import budget, kept_rows
+from liger_patch.ops.core import budget, call_graph, deferred_checks, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
 from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
+from liger_patch.ops.core.graphed_forward import GraphedForward
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.kept_rows import (
     NumItems,
+    PendingLabels,
     begin_label_check,
     expects_skip,
     finish_label_check,
 )
 from liger_patch.ops.core.reduction import reduce_rows
+from liger_patch.ops.distillation import graphed_forward
 from liger_patch.ops.distillation.chunks import (
     TORCH_MATH,
     TORCH_MATH_WITH_IGNORED,
@@ -56,6 +59,7 @@ from liger_patch.ops.distillation.chunks import (
     Side,
     run_distill,
 )
+from liger_patch.ops.distillation.forward_io import DistillInputs
 from liger_patch.ops.distillation.options import DistillOptions, check_logits_dtypes
 
 _F32 = torch.float32
@@ -110,6 +114,9 @@ def chunk_math(backend: Backend, head: HeadStart | None = None, *, with_ignored:
     return triton_math(backend, head)
 
 
+_Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
 def _fused_distill(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -122,29 +129,72 @@ def _fused_distill(
     num_items_value: float | None,
     options: str,
     needs: list[bool],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> _Outputs:
     """Forward: ``(loss, row_weight, grad_hidden, grad_weight, grad_bias)``; hidden states (N, H_s)
     and (N, H_t), labels (N,). Gradients not computed here are empty."""
-    opts = DistillOptions.from_key(options)
-    check_logits_dtypes(opts, student_hidden.dtype, teacher_hidden.dtype)
-    backend = pick(opts.backend, student_hidden.device)
-    vocab = student_weight.shape[0]
-    student = Head(student_hidden, student_weight, student_bias)
-    teacher = Head(teacher_hidden, teacher_weight, teacher_bias)
-    precompute = grads_in_forward(opts.reduction, student_hidden.dtype, needs)
-    pending = begin_label_check(
-        labels, vocab, opts.ignore_index, opts.reduction, None, NumItems(num_items, num_items_value),
-        ("distill", student_hidden.device, labels.shape[0], vocab),
-        _gemm_gflop(student, teacher, needs, precompute), backend.label_check,
+    inputs = DistillInputs(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
+        labels, num_items, num_items_value, options, needs,
     )  # fmt: skip
+    opts, backend, shape_key, gflop = _call_facts(inputs)
+    return _checked_forward(inputs, opts, backend, _begin(inputs, opts, backend, shape_key, gflop))
+
+
+def _fused_distill_eager(*args) -> _Outputs:
+    """``_fused_distill`` for the eager twin (``FUSED_DISTILL``): replayed from a CUDA graph where
+    one may serve the call (``graphed_forward``)."""
+    inputs = DistillInputs(*args)
+    opts, backend, shape_key, gflop = _call_facts(inputs)
+    key = graphed_forward.signature(inputs, opts, backend, shape_key, gflop)
+    if key is not None:
+        deferred_checks.raise_ready()  # first, as begin_label_check does
+        return call_graph.run(_GRAPHED, key, inputs.student_weight, (inputs, opts, backend, shape_key, gflop))
+    return _checked_forward(inputs, opts, backend, _begin(inputs, opts, backend, shape_key, gflop))
+
+
+def _call_facts(args: DistillInputs) -> tuple[DistillOptions, Backend, tuple, float]:
+    """The call's options (dtypes checked), backend record, label check's shape key and the
+    forward's GEMM work in GFLOP."""
+    opts = DistillOptions.from_key(args.options)
+    sh = args.student_hidden
+    check_logits_dtypes(opts, sh.dtype, args.teacher_hidden.dtype)
+    vocab = args.student_weight.shape[0]
+    precompute = grads_in_forward(opts.reduction, sh.dtype, args.needs)
+    student, teacher = _heads(args)
+    gflop = _gemm_gflop(student, teacher, args.needs, precompute)
+    return opts, pick(opts.backend, sh.device), ("distill", sh.device, args.labels.shape[0], vocab), gflop
+
+
+def _heads(args: DistillInputs) -> tuple[Head, Head]:
+    return (
+        Head(args.student_hidden, args.student_weight, args.student_bias),
+        Head(args.teacher_hidden, args.teacher_weight, args.teacher_bias),
+    )
+
+
+def _begin(args: DistillInputs, opts: DistillOptions, backend: Backend, shape_key: tuple, gflop: float):
+    """The forward's label check, begun (``kept_rows.begin_label_check``)."""
+    return begin_label_check(
+        args.labels, args.student_weight.shape[0], opts.ignore_index, opts.reduction, None,
+        NumItems(args.num_items, args.num_items_value), shape_key, gflop, backend.label_check,
+    )  # fmt: skip
+
+
+def _checked_forward(
+    args: DistillInputs, opts: DistillOptions, backend: Backend, pending: PendingLabels, _empties=None
+) -> _Outputs:
+    """The forward once its label check is begun: the check finished, then the chunk loop."""
+    sh = args.student_hidden
+    student, teacher = _heads(args)
+    precompute = grads_in_forward(opts.reduction, sh.dtype, args.needs)
     n_rows = pending.labels.shape[0]
-    budget_bytes = _budget(opts, student_hidden, n_rows)
+    budget_bytes = _budget(opts, sh, n_rows)
     head = None
     if expects_skip(pending, opts.tuning):  # computed while the host waits for the check
         head = _start_head(backend, student, teacher, opts, pending.keep, precompute, budget_bytes)
     checked = finish_label_check(pending, opts.tuning)
     with_ignored = checked.kept_rows is None and checked.n_kept != n_rows
-    with autocast_off(student_hidden.device.type):
+    with autocast_off(sh.device.type):
         call = DistillCall(
             student,
             teacher,
@@ -152,7 +202,7 @@ def _fused_distill(
             opts,
             kept=checked.kept_rows,
             coef=checked.row_weight if precompute else None,
-            needs=tuple(needs),
+            needs=tuple(args.needs),
             budget_bytes=budget_bytes,
             math=chunk_math(backend, head, with_ignored=with_ignored),
         )
@@ -161,7 +211,10 @@ def _fused_distill(
     if checked.poison is not None:
         loss = loss * checked.poison
     grads = (res.grad_hidden, res.grad_weight, res.grad_bias)
-    return (loss, checked.row_weight, *(g if g is not None else _empty(student_hidden) for g in grads))
+    return (loss, checked.row_weight, *(g if g is not None else _empty(sh) for g in grads))
+
+
+_GRAPHED = GraphedForward(_begin, _checked_forward, graphed_forward.LAYOUT)
 
 
 fused_distill = torch.library.custom_op("liger_patch::fused_distill", _fused_distill, mutates_args=())
@@ -309,7 +362,7 @@ _NO_INPUT_GRADS = (None,) * 8
 
 
 fused_distill.register_autograd(_backward, setup_context=_setup_context)
-FUSED_DISTILL = EagerOp(torch.ops.liger_patch.fused_distill, _fused_distill, _setup_context, _backward)
+FUSED_DISTILL = EagerOp(torch.ops.liger_patch.fused_distill, _fused_distill_eager, _setup_context, _backward)
 """``liger_patch::fused_distill``, or its eager twin where the call is plain eager
 (``core/eager_call.py``); every argument positional."""
 FUSED_DISTILL_BACKWARD = EagerOp(torch.ops.liger_patch.fused_distill_backward, _fused_distill_backward)
