@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from common import environment, git_head, need_cuda, write_json  # noqa: E402
 
 import liger_patch as lp  # noqa: E402
-from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 from liger_patch.ops.core import call_graph  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 from liger_patch.ops.cross_entropy import one_chunk  # noqa: E402
 
 MIB = 1 << 20

@@ -43,8 +43,8 @@ from host_bound import (  # noqa: E402
     synchronize,
 )
 
-from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 from liger_patch.ops.core import call_graph  # noqa: E402
+from liger_patch.ops.core.tuning import Tuning  # noqa: E402
 
 GiB = float(1 << 30)
 

@@ -38,9 +38,8 @@ REPS = 15
 
 
 def _label_check(labels: torch.Tensor, vocab: int) -> None:
-    pending = kept_rows.begin_label_check(
-        labels, vocab, -100, "mean", None, kept_rows.NumItems(), ("probe", labels.shape[0], vocab), 1.0
-    )
+    check = kept_rows.LabelCheck(labels, vocab, -100, "mean")
+    pending = kept_rows.begin_label_check(check, None, ("probe", labels.shape[0], vocab), 1.0)
     kept_rows.finish_label_check(pending, Tuning())
 
 

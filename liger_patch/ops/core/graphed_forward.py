@@ -25,7 +25,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import kept_rows
 from liger_patch.ops.core.eager_call import EmptyOutputs
-from liger_patch.ops.core.kept_rows import FusedCheck, FusedLabels, NumItems, PendingLabels
+from liger_patch.ops.core.kept_rows import FusedCheck, FusedLabels, LabelCheck, NumItems, PendingLabels
 from liger_patch.ops.core.tuning import Tuning
 
 BASE_ALIGN = 256
@@ -143,10 +143,7 @@ class GraphedForward:
     def captured(self, args, opts, backend, shape_key: tuple, gflop: float) -> tuple[tuple, list[Tensor]]:
         """The forward with its label check unread (``kept_rows.begin_unread_check``): its
         outputs and what the check's launch left; and the outputs a replay hands out."""
-        pending = kept_rows.begin_unread_check(
-            args.labels, self._vocab(args), opts.ignore_index, opts.reduction, _num_items(args),
-            backend.label_check, shape_key, gflop,
-        )  # fmt: skip
+        pending = kept_rows.begin_unread_check(self._check(args, opts, backend), shape_key, gflop)
         outputs = self.body(args, opts, backend, pending, _empties(args))
         handed = [t for i, t in enumerate(outputs) if i not in self.layout.kept]
         return (outputs, pending.fused), handed
@@ -161,21 +158,17 @@ class GraphedForward:
         for i in self.layout.kept:
             if outputs[i].numel():
                 shared[i] = outputs[i].clone()
-        kept_rows.check_replayed(
-            args.labels.long().contiguous(), self._vocab(args), opts.ignore_index, opts.reduction,
-            _num_items(args), backend.label_check, done, shape_key,
-        )  # fmt: skip
+        kept_rows.check_replayed(self._check(args, opts, backend), done, shape_key)
         return tuple(shared)
 
     def _copied(self, args) -> list[tuple[str, Tensor]]:
         return [(name, t) for name in self.layout.copied if (t := getattr(args, name)) is not None]
 
-    def _vocab(self, args) -> int:
-        return getattr(args, self.layout.vocab_weight).shape[0]
-
-
-def _num_items(args) -> NumItems:
-    return NumItems(args.num_items, args.num_items_value)
+    def _check(self, args, opts, backend) -> LabelCheck:
+        """The call's label check, with the backend's one launch."""
+        vocab = getattr(args, self.layout.vocab_weight).shape[0]
+        items = NumItems(args.num_items, args.num_items_value)
+        return LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
 
 
 def _empties(args) -> EmptyOutputs:

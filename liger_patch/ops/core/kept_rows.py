@@ -24,7 +24,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -70,6 +70,34 @@ class FusedLabels(Protocol):
     stats: Tensor
     divisor: Tensor
     poison: Tensor
+
+
+class LabelCheck(NamedTuple):
+    """What a forward's label check checks, and how: the labels (N,) (int64 and contiguous once
+    ``normalized``), the vocabulary size, ``ignore_index``, the reduction, the
+    ``num_items_in_batch`` operands and the backend's one-launch check (``Backend.label_check``,
+    ``None`` where it has none)."""
+
+    labels: Tensor
+    vocab: int
+    ignore_index: int
+    reduction: str
+    num_items: NumItems = NumItems()
+    fused_check: FusedCheck | None = None
+
+    def normalized(self) -> LabelCheck:
+        """The same check with the labels int64 and contiguous (kernels index them by row)."""
+        labels = self.labels
+        if labels.dtype == torch.int64 and labels.is_contiguous():
+            return self
+        return self._replace(labels=labels.long().contiguous())
+
+    def ahead_key(self) -> tuple | None:
+        """The key a check begun ahead for these very labels is kept under (``early_checks``)."""
+        items = (self.num_items.tensor, self.num_items.value)
+        return early_checks.labels_key(
+            self.labels, self.vocab, self.ignore_index, self.reduction, items, self.fused_check
+        )
 
 
 @dataclass(frozen=True)
@@ -124,99 +152,66 @@ class CheckedLabels:
 
 
 def begin_label_check(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    class_weights: Tensor | None,
-    num_items: NumItems,
+    check: LabelCheck,
+    class_weights: Tensor | None = None,
     shape_key: tuple = (),
     work_gflop: float = 0.0,
-    fused_check: FusedCheck | None = None,
 ) -> PendingLabels:
-    """Queue the check of ``labels`` (N,) against ``vocab`` (and of a ``num_items`` tensor), with
+    """Queue ``check`` (of the labels against the vocabulary, and of a ``num_items`` tensor), with
     the divisor of "mean" unless it is the kept count (no launches for it: read with the check).
     First, raise a deferred check's error if its answer has come (``deferred_checks``).
     ``shape_key`` names calls alike enough to expect the same share of ignored labels;
-    ``work_gflop``: the GEMMs of the call's token pass over every row. ``fused_check``, the
-    backend's one-launch form of the check (``Backend.label_check``), also computes the divisor,
-    the sanitized labels, the poison factor and the row weights (without class weights)."""
+    ``work_gflop``: the GEMMs of the call's token pass over every row. The backend's one-launch
+    check (``LabelCheck.fused_check``) also computes the divisor, the sanitized labels, the
+    poison factor and the row weights (without class weights)."""
     deferred_checks.raise_ready()
-    labels = labels.long().contiguous()  # kernels index labels by row
+    check = check.normalized()
     if class_weights is None:
-        ahead = _taken_ahead(labels, vocab, ignore_index, reduction, num_items, fused_check)
+        ahead = _taken_ahead(check)
         if ahead is not None:  # begun ahead by the caller (``begin_ahead``): the same check
             return dataclasses.replace(ahead, shape_key=shape_key, work_gflop=work_gflop, ahead=True)
-    return _queue_check(
-        labels, vocab, ignore_index, reduction, class_weights, num_items, shape_key, work_gflop, fused_check
-    )
+    return _queue_check(check, class_weights, shape_key, work_gflop)
 
 
-def _taken_ahead(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    num_items: NumItems,
-    fused_check: FusedCheck | None,
-) -> PendingLabels | None:
+def _taken_ahead(check: LabelCheck) -> PendingLabels | None:
     """The check begun ahead (``begin_ahead``) for these very labels (int64, contiguous) and
     arguments, out of ``early_checks``' table; ``None`` where there is none (or while a CUDA graph
     is captured)."""
-    if not early_checks.waiting() or capturing(labels):
+    if not early_checks.waiting() or capturing(check.labels):
         return None
-    key = early_checks.labels_key(
-        labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
-    )
-    return early_checks.take(key)
+    return early_checks.take(check.ahead_key())
 
 
 def _queue_check(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    class_weights: Tensor | None,
-    num_items: NumItems,
-    shape_key: tuple,
-    work_gflop: float,
-    fused_check: FusedCheck | None,
+    check: LabelCheck, class_weights: Tensor | None, shape_key: tuple, work_gflop: float
 ) -> PendingLabels:
-    """``begin_label_check``'s own check of ``labels`` (int64, contiguous), queued now."""
-    if fused_check is not None and class_weights is None and labels.numel() > 0:
-        return _begin_fused(
-            fused_check, labels, vocab, ignore_index, reduction, num_items,
-            shape_key=shape_key, work_gflop=work_gflop,
-        )  # fmt: skip
-    keep = labels != ignore_index
+    """``begin_label_check``'s own ``check`` (labels int64, contiguous), queued now."""
+    labels, num_items = check.labels, check.num_items
+    if check.fused_check is not None and class_weights is None and labels.numel() > 0:
+        return _begin_fused(check, shape_key=shape_key, work_gflop=work_gflop)
+    keep = labels != check.ignore_index
     divisor = None
-    if not counted_divisor(reduction, class_weights, num_items.tensor, num_items.value):
-        divisor = loss_divisor(reduction, keep, labels, class_weights, num_items.tensor, num_items.value)
+    if not counted_divisor(check.reduction, class_weights, num_items.tensor, num_items.value):
+        divisor = loss_divisor(
+            check.reduction, keep, labels, class_weights, num_items.tensor, num_items.value
+        )
     user_divisor = divisor if num_items.tensor is not None else None
     started = None
     if not capturing(labels):
-        started = validation.start_value_check(labels, vocab, ignore_index, user_divisor)
+        started = validation.start_value_check(labels, check.vocab, check.ignore_index, user_divisor)
     return PendingLabels(
-        labels, vocab, ignore_index, reduction, class_weights, num_items, divisor, started,
-        shape_key, work_gflop, keep_mask=keep,
+        labels, check.vocab, check.ignore_index, check.reduction, class_weights, num_items, divisor,
+        started, shape_key, work_gflop, keep_mask=keep,
     )  # fmt: skip
 
 
 def _begin_fused(
-    fused_check: FusedCheck,
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    num_items: NumItems,
-    *,
-    shape_key: tuple,
-    work_gflop: float,
-    read: bool = True,
+    check: LabelCheck, *, shape_key: tuple, work_gflop: float, read: bool = True
 ) -> PendingLabels:
     """``begin_label_check`` by the backend's one-launch check: the divisor is its device scalar
     unless it is a number (reduction "sum"/"none", a ``num_items_in_batch`` number). ``read``
     false: the answer is neither copied back nor kept (``begin_unread_check``)."""
+    labels, vocab, ignore_index, reduction, num_items, fused_check = check
     done = fused_check(labels, vocab, ignore_index, reduction, num_items.tensor, num_items.value)
     what = mean_divisor(reduction, num_items.tensor, num_items.value)
     divisor = done.divisor if what.on_device else what.fixed
@@ -230,50 +225,30 @@ def _begin_fused(
     )  # fmt: skip
 
 
-def begin_unread_check(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    num_items: NumItems,
-    fused_check: FusedCheck,
-    shape_key: tuple,
-    work_gflop: float,
-) -> PendingLabels:
+def begin_unread_check(check: LabelCheck, shape_key: tuple, work_gflop: float) -> PendingLabels:
     """The check of a forward that a CUDA graph captures (``call_graph``): the backend's one
-    launch, its answer neither copied back nor kept, so that the forward walks every row with the
-    sanitized labels and the poison factor, as under any capture; a replay reads the launch's
-    values (``check_replayed``). Nothing else: no deferred check raised, none begun ahead taken."""
-    return _begin_fused(
-        fused_check, labels.long().contiguous(), vocab, ignore_index, reduction, num_items,
-        shape_key=shape_key, work_gflop=work_gflop, read=False,
-    )  # fmt: skip
+    launch (``check.fused_check``, required), its answer neither copied back nor kept, so that
+    the forward walks every row with the sanitized labels and the poison factor, as under any
+    capture; a replay reads the launch's values (``check_replayed``). Nothing else: no deferred
+    check raised, none begun ahead taken."""
+    return _begin_fused(check.normalized(), shape_key=shape_key, work_gflop=work_gflop, read=False)
 
 
-def begin_ahead(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    num_items: NumItems,
-    fused_check: FusedCheck | None = None,
-) -> tuple | None:
-    """Queue now the check that a later ``begin_label_check`` over these very ``labels`` (int64,
-    contiguous) with these arguments and no class weights will take instead of queuing its own
+def begin_ahead(check: LabelCheck) -> tuple | None:
+    """Queue now the check that a later ``begin_label_check`` of this very ``check`` (labels int64
+    and contiguous) with no class weights will take instead of queuing its own
     (``early_checks``), and return its key for ``early_checks.drop``; ``None`` where nothing is
     begun: other labels, no labels, inference tensors, or while a CUDA graph is captured (whose
     check is not kept)."""
+    labels = check.labels
     if labels.dtype != torch.int64 or not labels.is_contiguous() or labels.numel() == 0 or capturing(labels):
         return None
-    key = early_checks.labels_key(
-        labels, vocab, ignore_index, reduction, (num_items.tensor, num_items.value), fused_check
-    )
+    key = check.ahead_key()
     if key is None:
         return None
     deferred_checks.raise_ready()  # as begin_label_check does first
     # Queued directly: begin_label_check would look for a check begun ahead for these very labels.
-    pending = _queue_check(labels, vocab, ignore_index, reduction, None, num_items, (), 0.0, fused_check)
-    early_checks.put(key, pending)
+    early_checks.put(key, _queue_check(check, None, (), 0.0))
     return key
 
 
@@ -324,27 +299,22 @@ def waits_for_check(shape_key: tuple, work_gflop: float, tuning: Tuning) -> bool
     return tuning.waits_to_skip(expected_share(shape_key), work_gflop)
 
 
-def check_replayed(
-    labels: Tensor,
-    vocab: int,
-    ignore_index: int,
-    reduction: str,
-    num_items: NumItems,
-    fused_check: FusedCheck,
-    done: FusedLabels,
-    shape_key: tuple,
-) -> None:
+def check_replayed(check: LabelCheck, done: FusedLabels, shape_key: tuple) -> None:
     """The label check of a forward replayed from a CUDA graph (``call_graph``), which ran the
-    check's launch (``fused_check``; ``done``: what it left in the graph's buffers, rewritten by
-    the next replay) and walked every row without reading it: handled as ``finish_label_check``
-    handles a check it does not read first. A check begun ahead for these labels is taken
-    instead of copying the graph's; its error is raised now if its answer has come, else the
-    check is deferred (``deferred_checks``)."""
-    ahead = _taken_ahead(labels, vocab, ignore_index, reduction, num_items, fused_check)
+    check's launch (``check.fused_check``; ``done``: what it left in the graph's buffers,
+    rewritten by the next replay) and walked every row without reading it: handled as
+    ``finish_label_check`` handles a check it does not read first. A check begun ahead for these
+    labels is taken instead of copying the graph's; its error is raised now if its answer has
+    come, else the check is deferred (``deferred_checks``)."""
+    check = check.normalized()
+    labels, items = check.labels, check.num_items
+    ahead = _taken_ahead(check)
     started = None if ahead is None else ahead.started
     if started is None:
-        user_divisor = None if num_items.tensor is None else done.divisor.clone()
-        started = validation.check_from_stats(labels, vocab, ignore_index, user_divisor, done.stats)
+        user_divisor = None if items.tensor is None else done.divisor.clone()
+        started = validation.check_from_stats(
+            labels, check.vocab, check.ignore_index, user_divisor, done.stats
+        )
     if started.is_ready():
         started.result()
     else:

@@ -18,7 +18,7 @@ import torch
 
 from liger_patch.ops.core import validation
 from liger_patch.ops.core.eager_call import runs_plainly
-from liger_patch.ops.core.kept_rows import NumItems, begin_ahead
+from liger_patch.ops.core.kept_rows import LabelCheck, NumItems, begin_ahead
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.cross_entropy import operator, outputs
 from liger_patch.ops.cross_entropy.backends import row_backend
@@ -128,9 +128,9 @@ def check_labels_ahead(
     items = validation.num_items_operands(num_items_in_batch)
     if not labels.is_contiguous() or not runs_plainly((labels, items[0])):
         return None  # (a call's reshape of other labels would copy them: never the same tensor)
-    backend = row_backend(opts.backend, labels.device)
-    flat = labels.view(-1)
-    return begin_ahead(flat, vocab, opts.ignore_index, opts.reduction, NumItems(*items), backend.label_check)
+    fused = row_backend(opts.backend, labels.device).label_check
+    check = LabelCheck(labels.view(-1), vocab, opts.ignore_index, opts.reduction, NumItems(*items), fused)
+    return begin_ahead(check)
 
 
 def fused_linear_cross_entropy(

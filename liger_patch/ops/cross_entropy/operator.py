@@ -43,6 +43,7 @@ from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.graphed_forward import GraphedForward
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
+    LabelCheck,
     NumItems,
     PendingLabels,
     arrived_ahead,
@@ -235,10 +236,10 @@ def _begin(
     """The forward's label check, begun (``kept_rows.begin_label_check``); ``cw``: the class
     weights' record, where ``args`` has them."""
     weights = None if cw is None else cw.weight
-    return begin_label_check(
-        args.labels, args.weight.shape[0], opts.ignore_index, opts.reduction, weights,
-        NumItems(args.num_items, args.num_items_value), shape_key, gflop, backend.label_check,
-    )  # fmt: skip
+    items = NumItems(args.num_items, args.num_items_value)
+    vocab = args.weight.shape[0]
+    check = LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
+    return begin_label_check(check, weights, shape_key, gflop)
 
 
 def _checked_forward(

@@ -42,6 +42,7 @@ from liger_patch.ops.core.gemm import gemm_dtype_for
 from liger_patch.ops.core.graphed_forward import GraphedForward
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.kept_rows import (
+    LabelCheck,
     NumItems,
     PendingLabels,
     begin_label_check,
@@ -174,10 +175,10 @@ def _heads(args: DistillInputs) -> tuple[Head, Head]:
 
 def _begin(args: DistillInputs, opts: DistillOptions, backend: Backend, shape_key: tuple, gflop: float):
     """The forward's label check, begun (``kept_rows.begin_label_check``)."""
-    return begin_label_check(
-        args.labels, args.student_weight.shape[0], opts.ignore_index, opts.reduction, None,
-        NumItems(args.num_items, args.num_items_value), shape_key, gflop, backend.label_check,
-    )  # fmt: skip
+    items = NumItems(args.num_items, args.num_items_value)
+    vocab = args.student_weight.shape[0]
+    check = LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
+    return begin_label_check(check, None, shape_key, gflop)
 
 
 def _checked_forward(

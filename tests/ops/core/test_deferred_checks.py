@@ -71,9 +71,8 @@ def _begin(labels, key, fused, reduction="mean", num_items=None, work_gflop=1e9)
     """A check begun on ``labels`` (of a call of ``work_gflop`` GFLOP, ``fused`` as the fixture
     says) whose answer has not come back yet, and its event."""
     num_items = num_items or NumItems()
-    pending = kept_rows.begin_label_check(
-        labels, V, IGNORE, reduction, None, num_items, key, work_gflop, fused
-    )
+    check = kept_rows.LabelCheck(labels, V, IGNORE, reduction, num_items, fused)
+    pending = kept_rows.begin_label_check(check, None, key, work_gflop)
     event = NotYet()
     started = pending.started._replace(ready=event)
     return pending.__class__(**{**pending.__dict__, "started": started}), event
@@ -124,7 +123,7 @@ def test_an_answered_check_raises_at_the_next_call(gen, fused):
     event.done = True  # the GPU got there
     good = _labels(gen)
     with pytest.raises(IndexError, match=r"label -7 at flat position 5"):
-        kept_rows.begin_label_check(good, V, IGNORE, "mean", None, NumItems())
+        kept_rows.begin_label_check(kept_rows.LabelCheck(good, V, IGNORE, "mean"))
 
 
 def test_answers_are_read_oldest_first_up_to_the_first_missing(gen, fused):
@@ -198,9 +197,8 @@ def test_an_answered_check_is_read_whatever_the_size(gen, fused):
     labels = torch.randint(0, V, (400,), generator=gen)
     labels[:100] = IGNORE
     for work in (1.0, 1e9):
-        pending = kept_rows.begin_label_check(
-            labels, V, IGNORE, "mean", None, NumItems(), ("cpu",), work, fused
-        )
+        check = kept_rows.LabelCheck(labels, V, IGNORE, "mean", NumItems(), fused)
+        pending = kept_rows.begin_label_check(check, None, ("cpu",), work)
         assert kept_rows.reads_first(pending, NEVER_WAIT)
         checked = kept_rows.finish_label_check(pending, NEVER_WAIT)
         assert checked.n_kept == 300 and checked.kept_rows.shape == (300,)
