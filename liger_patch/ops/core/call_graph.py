@@ -63,7 +63,10 @@ class Graphable(Protocol):
     call's values (what a replay copies new values into); ``copy_in(static, inputs)``: copies
     them. ``captured(*static)``: the run as a graph captures it, its result (what ``replayed``
     reads) and the tensors of it that a replay hands out (each refused while held).
-    ``replayed(inputs, result)``: the call's outputs from a replay's result."""
+    ``replayed(inputs, result)``: the call's outputs from a replay's result. ``buffers(static)``:
+    what of ``static`` the graph keeps once captured, what ``copy_in`` writes: a tensor it only
+    reads where it is (a weight) must not be kept alive by the graph, or a weight made anew at
+    each call (an autocast copy, a gathered shard) could never come back to that address."""
 
     def run(self, *inputs: Any) -> Any: ...
 
@@ -74,6 +77,8 @@ class Graphable(Protocol):
     def captured(self, *static: Any) -> tuple[Any, list[Tensor]]: ...
 
     def replayed(self, inputs: tuple, result: Any) -> Any: ...
+
+    def buffers(self, static: tuple) -> tuple: ...
 
 
 class Graph(Protocol):
@@ -131,6 +136,7 @@ class CallGraph:
                     self.graph.capture_end()
         finally:
             stream.wait_stream(side)  # the warm-up's work
+        self.static = plan.buffers(self.static)
         self.outputs = [t for t in handed if t.numel()]
         self.counts = [_use_count(t) for t in self.outputs]
 

@@ -36,8 +36,8 @@ weights' alignment is part of the key."""
 
 def gemm_settings() -> tuple:
     """The global settings cuBLAS reads at every GEMM launch, which a graph keeps as they were at
-    its capture: TF32 and the float32 matmul precision, reduced-precision reductions in half
-    GEMMs, the BLAS library, deterministic algorithms."""
+    its capture: TF32 and the float32 matmul precision, reduced-precision reductions and fp16
+    accumulation in half GEMMs, the BLAS library, deterministic algorithms."""
     matmul = torch.backends.cuda.matmul
     return (
         matmul.allow_tf32,
@@ -45,6 +45,7 @@ def gemm_settings() -> tuple:
         torch.get_float32_matmul_precision(),
         matmul.allow_fp16_reduced_precision_reduction,
         matmul.allow_bf16_reduced_precision_reduction,
+        getattr(matmul, "allow_fp16_accumulation", None),
         torch.backends.cuda.preferred_blas_library(),
         torch.are_deterministic_algorithms_enabled(),
     )
@@ -86,11 +87,12 @@ def may_graph(
 
 def call_key(labels: Tensor, num_items: Tensor | None, num_items_value: float | None) -> tuple:
     """What every graph depends on beyond its op's own inputs: the labels' dtype and count, the
-    ``num_items_in_batch`` tensor's dtype and shape or its number, whether autocast is on, and
-    the GEMM settings a graph keeps as captured (``gemm_settings``)."""
+    ``num_items_in_batch`` tensor's dtype and shape or its number, whether autocast and inference
+    mode are on, and the GEMM settings a graph keeps as captured (``gemm_settings``)."""
     items_key = None if num_items is None else (num_items.dtype, tuple(num_items.shape))
     autocast = torch.is_autocast_enabled(labels.device.type)
-    return (labels.dtype, labels.shape[0], items_key, num_items_value, autocast, *gemm_settings())
+    inference = torch.is_inference_mode_enabled()  # a graph's buffers made under it are inference tensors
+    return (labels.dtype, labels.shape[0], items_key, num_items_value, autocast, inference, *gemm_settings())
 
 
 class Layout(NamedTuple):
@@ -160,6 +162,13 @@ class GraphedForward:
                 shared[i] = outputs[i].clone()
         kept_rows.check_replayed(self._check(args, opts, backend), done, shape_key)
         return tuple(shared)
+
+    def buffers(self, static: Inputs) -> Inputs:
+        """The graph's buffers of ``static``: every other tensor argument (the weights, read where
+        they are) let go."""
+        args, copied = static[0], self.layout.copied
+        read = [f for f in args._fields if isinstance(getattr(args, f), Tensor) and f not in copied]
+        return (args._replace(**dict.fromkeys(read)), *static[1:])
 
     def _copied(self, args) -> list[tuple[str, Tensor]]:
         return [(name, t) for name in self.layout.copied if (t := getattr(args, name)) is not None]

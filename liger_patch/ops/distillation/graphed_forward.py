@@ -6,8 +6,9 @@ replayed; ``core/call_graph.py`` when).
 ``LAYOUT`` says what a replay copies in (both sides' hidden states, the labels and the
 ``num_items_in_batch`` tensor) and out (the loss). The graph reads the student's weight where
 it was at the capture (``call_graph`` refuses a replay while it is elsewhere) and the teacher's
-too, whose address is therefore part of the key: a teacher gathered anew at every call (ZeRO-3)
-makes a new signature each time and is never captured.
+too, whose address is therefore part of the key: a teacher weight found elsewhere (gathered or
+cast anew, ZeRO-3 or autocast) is another signature, replayed only where a later call finds its
+weights at those addresses again (the graph keeps neither alive: ``GraphedForward.buffers``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ longer is; must leave a forward that waits for its label check to it; and a bad 
 ``num_items_in_batch`` must still raise. ``GraphCache``'s bookkeeping:
 tests/ops/core/test_call_graph.py. (tests/conftest.py starts every test with no graph.)"""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from op_helpers import assert_same_bits, count_replays, needs_gpu_for_graphs, raises_by_step
@@ -48,16 +51,20 @@ def _fresh(case: dict, gen) -> None:
                 t.copy_(torch.randn(t.shape, generator=gen) * t.shape[1] ** -0.5 * 4)
 
 
+def _loss(case: dict, tuning: Tuning, **opts):
+    return lp.fused_linear_distillation(
+        case["student_hidden"], case["student_weight"], case["teacher_hidden"], case["teacher_weight"],
+        case["labels"], tuning=tuning, **{"beta": 0.5, "ce_weight": 0.2, **opts},
+    )  # fmt: skip
+
+
 def _call(case: dict, tuning: Tuning, clear: bool = True, **opts) -> tuple:
     """One forward + backward: copies of the loss and of the student's gradients."""
     leaves = [t for t in case.values() if t.requires_grad]
     if clear:
         for t in leaves:
             t.grad = None
-    loss = lp.fused_linear_distillation(
-        case["student_hidden"], case["student_weight"], case["teacher_hidden"], case["teacher_weight"],
-        case["labels"], tuning=tuning, **{"beta": 0.5, "ce_weight": 0.2, **opts},
-    )  # fmt: skip
+    loss = _loss(case, tuning, **opts)
     if loss.requires_grad:
         (loss.sum() * 1.7).backward()
     return (loss.detach().clone(), *(t.grad.clone() for t in leaves))
@@ -142,6 +149,77 @@ def test_an_inference_teacher_replays(monkeypatch, gen, device):
         inferred = {**case, "teacher_hidden": hidden, "teacher_weight": weight}
         assert_same_bits(_call(inferred, GRAPHS), _call(inferred, NO_GRAPHS))
     assert len(replays) == 3
+
+
+@pytest.mark.parametrize("variant", ["mean", "none", "fp16"])
+def test_outputs_held_through_the_next_forward_are_never_rewritten(monkeypatch, gen, device, variant):
+    """Two forwards before their backwards: the first's gradients (or, for "none" and fp16,
+    whose backward recomputes, its saved row weights) are the graph's storage until its backward
+    runs, so the second forward runs plainly; both give the ungraphed bits."""
+    needs_gpu_for_graphs(device)
+    replays = count_replays(monkeypatch)
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    opts = {"reduction": "none"} if variant == "none" else {}
+    case = _case(gen, device, dtype)
+
+    def two_forwards(tuning: Tuning) -> tuple:
+        for t in (case["student_hidden"], case["student_weight"]):
+            t.grad = None
+        losses = [_loss(case, tuning, **opts) for _ in range(2)]
+        for loss in reversed(losses):
+            (loss.sum() * 1.7).backward()
+        return (*(loss.detach() for loss in losses), case["student_hidden"].grad, case["student_weight"].grad)
+
+    for _ in range(3):
+        _fresh(case, gen)
+        assert_same_bits(two_forwards(GRAPHS), two_forwards(NO_GRAPHS))
+    # The first round: a plain forward, then the capture (its replay). The second and third: the
+    # first forward replays, the second is refused while the first's outputs are held.
+    assert len(replays) == 3
+
+
+def test_a_graph_keeps_no_weight_alive(monkeypatch, gen, device):
+    """The graph reads the weights where they were at its capture and holds neither: a weight
+    made anew at each call (here dropped by the caller) is freed."""
+    needs_gpu_for_graphs(device)
+    replays = count_replays(monkeypatch)
+    case = _case(gen, device)
+    for _ in range(2):
+        _call(case, GRAPHS)
+    assert len(replays) == 1
+    weights = [weakref.ref(case.pop(name)) for name in ("student_weight", "teacher_weight")]
+    gc.collect()
+    assert all(w() is None for w in weights)
+
+
+def test_autocast_copies_of_the_weights_replay(monkeypatch, gen, device):
+    """Under autocast the functional casts fp32 weights to new bf16 copies at every call; freed
+    after each, the next call's copies come back to their addresses and replay the graph."""
+    needs_gpu_for_graphs(device)
+    replays = count_replays(monkeypatch)
+    case = _case(gen, device, torch.float32)
+    for _ in range(5):
+        _fresh(case, gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert_same_bits(_call(case, GRAPHS), _call(case, NO_GRAPHS))
+    assert replays
+
+
+def test_a_graph_captured_under_inference_mode_is_not_replayed_outside_it(monkeypatch, gen, device):
+    """Its buffers are inference tensors, which a call outside inference mode could not write:
+    inference mode is part of the signature."""
+    needs_gpu_for_graphs(device)
+    replays = count_replays(monkeypatch)
+    case = _case(gen, device, requires_grad=())
+    for _ in range(2):
+        with torch.inference_mode():
+            _call(case, GRAPHS)
+    assert len(replays) == 1
+    for _ in range(3):
+        _fresh(case, gen)
+        with torch.no_grad():
+            assert_same_bits(_call(case, GRAPHS), _call(case, NO_GRAPHS))
+    assert len(replays) == 3  # a signature of its own: its second and third calls
 
 
 def test_a_bad_label_still_raises(monkeypatch, gen, device):
