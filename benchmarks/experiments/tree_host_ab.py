@@ -29,19 +29,20 @@ sys.path.insert(0, str(BENCH))
 from common import append_jsonl  # noqa: E402
 
 
-def measure(shapes: list[str], reps: int) -> dict[str, float]:
-    """In the child: median host ms per shape for the ``liger_patch`` first on ``sys.path``."""
+def measure(shapes: list[str], reps: int, graphs: bool) -> dict[str, float]:
+    """In the child: median host ms per shape for the ``liger_patch`` first on ``sys.path``, with
+    ``Tuning(call_graphs=True)`` where ``graphs``."""
     from functools import partial
 
     import torch
     from common import make_inputs
-    from host_bound import LOGIT_STD, Backlog, fwd_bwd, host_time, ours_loss, steady_host_ms
+    from host_bound import LOGIT_STD, Backlog, fwd_bwd, host_time, ours_loss, ours_with_graphs, steady_host_ms
 
     backlog, result = Backlog("cuda"), {}
     for shape in shapes:
         n, h, v = map(int, shape.split(","))
         hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac=0.25, logit_std=LOGIT_STD)
-        call = partial(fwd_bwd, ours_loss, hidden, weight, labels)
+        call = partial(fwd_bwd, ours_with_graphs if graphs else ours_loss, hidden, weight, labels)
         for _ in range(3):
             call()
         result[shape] = statistics.median(host_time(call, backlog, "cuda")[0] for _ in range(reps))
@@ -59,10 +60,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON lines, one per shape")
+    parser.add_argument("--call-graphs", action="store_true", help="both trees with Tuning(call_graphs=True)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.shapes, args.reps)))
+        print(json.dumps(measure(args.shapes, args.reps, args.call_graphs)))
         return 0
     if args.trees is None:
         parser.error("--trees A B is required")
@@ -73,6 +75,7 @@ def main() -> int:
         for tree in trees if r % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
             cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--shapes", *args.shapes]
+            cmd += ["--call-graphs"] if args.call_graphs else []
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 sys.exit(f"{tree}: the measuring process failed:\n{done.stderr[-3000:]}")
@@ -85,7 +88,7 @@ def main() -> int:
         paired = statistics.median(y - x for x, y in zip(a_runs, b_runs, strict=True))
         row = {"shape": shape, "a": trees[0], "b": trees[1], "a_host_ms": a, "b_host_ms": b,
                "b_minus_a_us": 1e3 * (b - a), "paired_b_minus_a_us": 1e3 * paired,
-               "rounds": args.rounds, "reps": args.reps,
+               "rounds": args.rounds, "reps": args.reps, "call_graphs": args.call_graphs,
                "a_rounds": a_runs, "b_rounds": b_runs}  # fmt: skip
         print(f"{shape}: A {a:.3f} ms, B {b:.3f} ms, B - A {1e3 * (b - a):+.0f} us "
               f"(paired, the median of each round's B - A: {1e3 * paired:+.0f} us)")  # fmt: skip
