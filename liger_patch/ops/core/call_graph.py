@@ -11,9 +11,10 @@ does this for a plan (``Graphable``: ``core/graphed_forward.GraphedForward``) of
 * The plan's first plain run of a signature notes where the weight is. The next call that finds
   it there again captures the plan on a side stream before it runs anything of its own (after
   one warm-up run there: what a stream and thread set up at their first use, such as cuBLAS's
-  workspace, must not be captured), reading inputs of its own, and then replays it for itself:
-  no result of the call is alive while the capture makes the graph's, so the capturing call
-  holds no more memory than any other.
+  workspace, must not be captured; the warm-up allocates from the graph's own pool, whose freed
+  blocks the capture then takes, so that none stays cached for the side stream), reading inputs
+  of its own, and then replays it for itself: no result of the call is alive while the capture
+  makes the graph's, so the capturing call holds no more memory than any other.
 * Each later call on the stream the graph was captured for copies its inputs into the graph's,
   replays it, and gets the graph's outputs as new tensors that share their storage (the plan's
   ``replayed`` copies what a caller keeps, such as the loss): the same kernels on the same
@@ -115,6 +116,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return side
 
 
+def _warm_blas(weight: Tensor) -> None:
+    """cuBLAS's workspace for the current stream, made now by a tiny GEMM (once a stream: later
+    calls find it): made inside a graph's warm-up, it would stay in the graph's pool for good."""
+    tiny = torch.ones(2, 2, dtype=weight.dtype, device=weight.device)
+    torch.mm(tiny, tiny)
+
+
 class CallGraph:
     """One signature's graph: its plan, the stream it replays on, the weight's address it reads,
     its inputs, its result, the tensors a replay hands out and their storages' use counts when
@@ -125,11 +133,16 @@ class CallGraph:
         self.static = plan.static(*inputs)  # with the call's values, for the warm-up
         side = _side_stream(weight.device)
         side.wait_stream(stream)
+        self.pool = torch.cuda.MemPool()  # the warm-up's memory and then the graph's
         try:
             with torch.cuda.stream(side):
-                plan.captured(*self.static)  # what this stream and thread set up at first use
+                _warm_blas(weight)
+                # What this stream and thread set up at first use; its memory, freed, is what
+                # the capture reuses (elsewhere it would stay cached for the side stream).
+                with torch.cuda.use_mem_pool(self.pool, device=weight.device):
+                    plan.captured(*self.static)
                 self.graph = torch.cuda.CUDAGraph()
-                self.graph.capture_begin(capture_error_mode="thread_local")
+                self.graph.capture_begin(pool=self.pool.id, capture_error_mode="thread_local")
                 try:
                     self.result, handed = plan.captured(*self.static)
                 finally:

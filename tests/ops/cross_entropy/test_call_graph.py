@@ -374,6 +374,27 @@ def test_graphs_off_by_default_turned_off_or_on_the_cpu_make_none(monkeypatch, g
     assert len(runs) >= 3 * len(tunings) and not call_graph._GRAPHS.entries  # planned, never captured
 
 
+def test_a_capture_leaves_no_warm_up_memory_cached_for_its_stream(monkeypatch, gen, device):
+    """The warm-up before a capture allocates what the forward does (here 60 MiB and more); it
+    allocates from the graph's pool, which the capture then reuses: nothing of it stays cached
+    for the side stream outside the pool (cuBLAS's workspace, made before, aside)."""
+    needs_gpu_for_graphs(device)
+    replays = count_replays(monkeypatch)
+    case = make_case(gen, (512,), 1024, 30000, dtype=torch.bfloat16, device=device, ignore="mixed")
+    for _ in range(4):  # the first notes, the second captures (94 GFLOP: none waits to skip)
+        _call(case, GRAPHS)
+    assert len(replays) == 3
+    side = next(iter(call_graph._SIDE_STREAMS.values())).cuda_stream
+    cached = sum(
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment["stream"] == side and segment["segment_pool_id"] == (0, 0)
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    )
+    assert cached < 16 * 2**20, cached
+
+
 def test_at_most_a_few_graphs_are_kept(gen, device):
     needs_gpu_for_graphs(device)
     for n in range(N, N + call_graph._MAX_GRAPHS + 2):
