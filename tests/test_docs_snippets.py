@@ -100,6 +100,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+_TEARDOWN_ABORT = "terminate called without an active exception"
+"""What a torchrun rank (gloo, CPU) prints when it aborts in the interpreter's teardown after its
+work is done, now and then and not again when rerun: the race ``tests/distributed/workers.py``'s
+``leave_rank`` keeps out of the distributed tests. A recipe cannot leave that way (a user's
+``train.py`` does not), so a block that fails with it runs once more."""
+
+
+def _run(block: Block, script: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(block, script), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
 @pytest.mark.parametrize("block", ALL_BLOCKS, ids=lambda b: b.id)
 def test_python_block_runs(block: Block, tmp_path: Path):
     if block.not_run is not None:
@@ -107,9 +120,9 @@ def test_python_block_runs(block: Block, tmp_path: Path):
         pytest.skip(f"{block.doc}:{block.line} marked not-run: {block.not_run}")
     script = tmp_path / f"{Path(block.doc).stem}_{block.index}.py"
     script.write_text(block.code, encoding="utf-8")
-    done = subprocess.run(
-        _command(block, script), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    done = _run(block, script, tmp_path)
+    if done.returncode != 0 and _TEARDOWN_ABORT in done.stderr:
+        done = _run(block, script, tmp_path)  # once: the interpreter's teardown race (see _TEARDOWN_ABORT)
     if done.returncode != 0:
         pytest.fail(
             f"{block.doc}:{block.line} (python block {block.index}) failed with exit code "
