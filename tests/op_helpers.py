@@ -547,6 +547,22 @@ def count_replays(monkeypatch) -> list:
     return replays
 
 
+def warm_capture_stream(device) -> None:
+    """A first capture in this process, then every plan and graph dropped: what the side stream
+    graphs are captured on sets up at its first capture (cuBLAS's workspaces, kept for the
+    stream, not by a graph) is made, so that memory measured around a later capture is what its
+    graph keeps."""
+    from liger_patch.ops.core.tuning import Tuning
+    from liger_patch.ops.cross_entropy import one_chunk
+
+    hidden = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(96, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 96, (8,), device=device)
+    for _ in range(2):
+        lp.fused_linear_cross_entropy(hidden, weight, labels, tuning=Tuning(call_graphs=True)).backward()
+    one_chunk.forget()
+
+
 def needs_gpu_for_graphs(device) -> None:
     """Skip where ``device`` is not CUDA: the ops capture graphs of their own only there."""
     if device.type != "cuda":

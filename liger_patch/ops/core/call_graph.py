@@ -20,8 +20,9 @@ does this for a plan (``Graphable``: ``core/graphed_forward.GraphedForward``) of
   ``replayed`` copies what a caller keeps, such as the loss): the same kernels on the same
   values, so the same bits as the plain run.
 * A replay rewrites those outputs, so it is refused (the plan runs plainly) while anything but
-  the graph still holds one of them (the use counts of their storages say so: a gradient being
-  accumulated in grad_W's buffer, a node's saved tensors before its backward), while the weight
+  the graph still holds one of them (the use counts of their storages say so: a leaf's kept
+  gradient, a node's saved tensors before its backward; outputs a plan makes after each replay,
+  such as a weight's gradient, ``graphed_forward.Later``, are not the graph's), while the weight
   is not where the graph reads it (FSDP2 and ZeRO-3 gather it anew), and on any other stream
   (whose work the caller need not order after the graph's). A weight that moved and is found
   where it moved to by the next call too, with no replay between (a model loaded anew), has the

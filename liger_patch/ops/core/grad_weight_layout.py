@@ -11,9 +11,13 @@ grad_W's bytes not yet written the same way (``buffer_in``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
 from liger_patch.ops.core.budget import ALIGN, ChunkPlan
+from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.gemm import has_out_dtype_mm, mm_into
 
 
@@ -41,6 +45,19 @@ def accumulate_grad_weight(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, 
         acc.add_(g.t() @ h)
 
 
+def grad_weight_sum_dtype(plan: ChunkPlan, operand_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the token chunks sum grad_W in: fp32 where the plan says, else the operands'."""
+    return torch.float32 if plan.grad_weight_fp32 else operand_dtype
+
+
+class WeightSpec(NamedTuple):
+    """What a grad_W made later takes from the weight: its shape, dtype and device."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
 def grad_weight_buffers(
     plan: ChunkPlan, weight: torch.Tensor, operand_dtype: torch.dtype
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -52,7 +69,7 @@ def grad_weight_buffers(
     fills = torch.empty if plan.two_pass or plan.overwrite_first else torch.zeros
     if plan.two_pass:
         return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
-    sum_dtype = torch.float32 if plan.grad_weight_fp32 else operand_dtype
+    sum_dtype = grad_weight_sum_dtype(plan, operand_dtype)
     if sum_dtype == weight.dtype:
         return fills(weight.shape, dtype=weight.dtype, device=weight.device), None
     if not plan.weight_in_grad_weight:  # grad_W is made from the sum at the end
@@ -97,3 +114,26 @@ def widen_in_place(buffer: torch.Tensor, narrow: torch.dtype) -> None:
         stop = start
     if stop == 1:
         wide[:1].copy_(src[:1].clone())
+
+
+@dataclass(frozen=True)
+class GradWeightLater:
+    """grad_W of a forward of one token chunk of every row, left to be made later from the
+    chunk's gradient ``g`` and hidden rows ``h`` as its GEMM reads them, as that chunk would
+    make it: a new sum of ``sum_dtype`` (written by the GEMM where ``overwrite``, else added to
+    zeros: ``accumulate_grad_weight``), rounded to the weight's dtype: the same launches on the
+    same values, so the same bits. Holds the weight's ``WeightSpec``, not the weight (a CUDA
+    graph keeps this and must not keep the weight alive: ``core/graphed_forward.Later``)."""
+
+    g: torch.Tensor
+    h: torch.Tensor
+    sum_dtype: torch.dtype
+    overwrite: bool
+    weight: WeightSpec
+
+    def __call__(self) -> torch.Tensor:
+        fills = torch.empty if self.overwrite else torch.zeros
+        acc = fills(self.weight.shape, dtype=self.sum_dtype, device=self.weight.device)
+        with autocast_off(self.h.device.type):
+            accumulate_grad_weight(acc, self.g, self.h, self.overwrite)
+        return acc.to(self.weight.dtype)

@@ -13,6 +13,12 @@ not wait for: raised now if answered, else deferred (``deferred_checks``), so a 
 raises before any optimizer step. The graph's forward walks every row with the sanitized labels
 and the poison factor, as the plain forward does when it does not read its check first, and the
 same launches on the same values give the same bits.
+
+A body may leave an output out of the graph (``Later``): the weight's gradient of a forward of
+one token chunk, made after each replay by the same GEMM from the graph's buffers. An output
+of the graph's own is the graph's storage, which a replay rewrites: a weight's gradient kept
+in ``.grad`` (gradient accumulation) or summed with a tied embedding's would hold back every
+replay after it, or cost one such gradient more at every step. Made anew, it is the caller's.
 """
 
 from __future__ import annotations
@@ -112,14 +118,31 @@ Inputs = tuple[Any, Any, Any, tuple, float]
 the backend record (with ``label_check``), the label check's shape key and the forward's GEMM
 work in GFLOP."""
 
+
+class Later:
+    """The outputs a captured forward's body leaves out of its graph (by index in its outputs),
+    each made by a function of the graph's buffers alone (no weight: a graph keeps none alive),
+    called eagerly after each replay on the replay's stream."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, Callable[[], Tensor]] = {}
+
+    def leave(self, index: int, make: Callable[[], Tensor]) -> None:
+        """Output ``index`` made by ``make()`` after each replay."""
+        self.outputs[index] = make
+
+
 Begin = Callable[[Any, Any, Any, tuple, float], PendingLabels]
-Body = Callable[[Any, Any, Any, PendingLabels, EmptyOutputs], tuple]
+Body = Callable[[Any, Any, Any, PendingLabels, EmptyOutputs, "Later | None"], tuple]
+"""The forward once its label check is begun; with a ``Later`` (in a capture) it may leave
+outputs to it, else it makes every one."""
 
 
 class GraphedForward:
     """An op's forward as ``call_graph`` captures and replays it (``call_graph.Graphable``), made
     of the operator's two halves: ``begin`` queues the label check, ``body`` runs the rest and
-    returns the outputs as a tuple; ``layout`` names what a replay copies."""
+    returns the outputs as a tuple (in a capture, leaving some to a ``Later``); ``layout`` names
+    what a replay copies."""
 
     def __init__(self, begin: Begin, body: Body, layout: Layout) -> None:
         self.begin, self.body, self.layout = begin, body, layout
@@ -127,7 +150,7 @@ class GraphedForward:
     def run(self, args, opts, backend, shape_key: tuple, gflop: float) -> tuple:
         """The plain forward of a plain eager call."""
         pending = self.begin(args, opts, backend, shape_key, gflop)
-        return self.body(args, opts, backend, pending, _empties(args))
+        return self.body(args, opts, backend, pending, _empties(args), None)
 
     def static(self, args, opts, backend, shape_key: tuple, gflop: float) -> Inputs:
         """The call's inputs with the copied tensors copied into buffers of the graph's own."""
@@ -144,23 +167,27 @@ class GraphedForward:
 
     def captured(self, args, opts, backend, shape_key: tuple, gflop: float) -> tuple[tuple, list[Tensor]]:
         """The forward with its label check unread (``kept_rows.begin_unread_check``): its
-        outputs and what the check's launch left; and the outputs a replay hands out."""
+        outputs, what the check's launch left and the outputs left to after a replay
+        (``Later``); and the outputs a replay hands out."""
         pending = kept_rows.begin_unread_check(self._check(args, opts, backend), shape_key, gflop)
-        outputs = self.body(args, opts, backend, pending, _empties(args))
-        handed = [t for i, t in enumerate(outputs) if i not in self.layout.kept]
-        return (outputs, pending.fused), handed
+        later = Later()
+        outputs = self.body(args, opts, backend, pending, _empties(args), later)
+        handed = [t for i, t in enumerate(outputs) if i not in self.layout.kept and i not in later.outputs]
+        return (outputs, pending.fused, later), handed
 
-    def replayed(self, inputs: Inputs, result: tuple[tuple, FusedLabels]) -> tuple:
-        """The call's outputs from a replay: the kept ones copied, every other one a new tensor
-        sharing the graph's storage; and the label check read from the replay's launch
-        (``kept_rows.check_replayed``)."""
+    def replayed(self, inputs: Inputs, result: tuple[tuple, FusedLabels, Later]) -> tuple:
+        """The call's outputs from a replay: the kept ones copied, those left out of the graph
+        made now (``Later``), every other one a new tensor sharing the graph's storage; and the
+        label check read from the replay's launch (``kept_rows.check_replayed``)."""
         args, opts, backend, shape_key, _ = inputs
-        outputs, done = result
+        outputs, done, later = result
         shared: list[Any] = [t.detach() for t in outputs]
         for i in self.layout.kept:
             if outputs[i].numel():
                 shared[i] = outputs[i].clone()
         kept_rows.check_replayed(self._check(args, opts, backend), done, shape_key)
+        for i, make in later.outputs.items():
+            shared[i] = make()
         return tuple(shared)
 
     def buffers(self, static: Inputs) -> Inputs:

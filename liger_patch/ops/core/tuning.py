@@ -77,10 +77,11 @@ class Tuning:
             host time 0.1-0.5 ms above eager's instead of 0.9-2.1 ms at 256-1,024 tokens
             (items 70, 74), a distillation call's 1.5-1.8 ms, below eager's 2.2-2.8, instead
             of 2.3-5.2 (item 75), at the cost of the memory each graph keeps between calls
-            (what its forward allocates: logits chunks, row results, gradients; at most four
-            graphs), and for a head tied to its embedding one grad_W more at every step (item
-            72). A replay runs only on the stream its graph was captured for, one thread at a
-            time. Off by default, for that memory.
+            (what its forward allocates: its logits chunks, row results and grad_h, and
+            grad_W for a forward of several chunks; at most four graphs) and a capture for
+            each signature seen twice (item 78). A replay runs only on the stream its graph was
+            captured for, one thread at a time. Off by default, for that memory and those
+            captures.
         check_labels_ahead: a caller that knows a forward's labels before its loss (a patched
             model, before its body runs: ``functional.check_labels_ahead``) queues the loss's
             label check then (``core/early_checks.py``), so a forward that waits for it to skip

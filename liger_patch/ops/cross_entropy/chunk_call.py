@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from liger_patch.ops.core.grad_weight_layout import GradWeightLater
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.options import LossOptions
@@ -115,7 +116,8 @@ class ChunkCall:
 @dataclass
 class ChunkResult:
     """What a call gives: per-row ce and lse (N,) fp32 (``None`` when ``lse_in`` was given), and the
-    gradients asked for in their inputs' dtypes (else ``None``)."""
+    gradients asked for in their inputs' dtypes (else ``None``); grad_W left to be made later
+    where a call plan was asked to leave it (``one_chunk.OneChunk.run``)."""
 
     ce: torch.Tensor | None
     lse: torch.Tensor | None
@@ -124,3 +126,4 @@ class ChunkResult:
     grad_bias: torch.Tensor | None
     grad_u: torch.Tensor | None = None  # the low-rank term's (``low_rank.LowRank``)
     grad_b: torch.Tensor | None = None
+    grad_weight_later: GradWeightLater | None = None

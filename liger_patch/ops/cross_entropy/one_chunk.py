@@ -33,7 +33,12 @@ from liger_patch.ops.core.budget import ChunkPlan
 from liger_patch.ops.core.contexts import autocast_off, without_grad
 from liger_patch.ops.core.gemm import gemm_dtype_for, grad_view
 from liger_patch.ops.core.grad_sums import GradSums
-from liger_patch.ops.core.grad_weight_layout import grad_weight_buffers
+from liger_patch.ops.core.grad_weight_layout import (
+    GradWeightLater,
+    WeightSpec,
+    grad_weight_buffers,
+    grad_weight_sum_dtype,
+)
 from liger_patch.ops.core.walked_rows import Chunk
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
@@ -133,15 +138,20 @@ class OneChunk:
         labels: Tensor,
         coef: Tensor | None,
         opts: LossOptions,
+        *,
+        leave_weight: bool = False,
     ) -> ChunkResult:
         """``run_chunks``' result for a call of this plan's signature, with these tensors: the
         checked ``labels`` and, where gradients are computed, ``coef`` (each row's weight in the
-        reduced loss) as both coefficients."""
+        reduced loss) as both coefficients. With ``leave_weight`` grad_W, where computed, is not
+        made here but left to the result's ``grad_weight_later``: a CUDA graph of the forward
+        leaves it out (``core/graphed_forward.Later``)."""
         backend, wanted = self.backend, self.wanted
+        later = leave_weight and wanted.weight
         grad_hidden = grad_weight = grad_sum = None
         if wanted.hidden:
             grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        if wanted.weight:
+        if wanted.weight and not later:
             grad_weight, grad_sum = grad_weight_buffers(self.plan, weight, hidden.dtype)
         with autocast_off(hidden.device.type):
             logits = torch.empty(
@@ -158,10 +168,15 @@ class OneChunk:
             ce, lse = token_chunk(
                 backend, opts, made, labels, grad, grads, Chunk(0, hidden.shape[0]), hidden, weight
             )
+            res = ChunkResult(ce, lse, grad_hidden, None, None)
+            if later:  # ``GradSums.add``'s grad_W GEMM, with its operands
+                sum_dtype = grad_weight_sum_dtype(self.plan, hidden.dtype)
+                spec = WeightSpec(weight.shape, weight.dtype, weight.device)
+                g = grad.out.to(weight.dtype)
+                res.grad_weight_later = GradWeightLater(g, hidden, sum_dtype, self.plan.overwrite_first, spec)
             del made, logits, grad, grads  # before grad_W is made from its sum, as run_chunks
-        if grad_sum is not None:
-            grad_weight = grad_sum.to(weight.dtype)
-        return ChunkResult(ce, lse, grad_hidden, grad_weight, None)
+        res.grad_weight = grad_weight if grad_sum is None else grad_sum.to(weight.dtype)
+        return res
 
 
 _PLANS: OrderedDict[tuple, OneChunk | object | None] = OrderedDict()

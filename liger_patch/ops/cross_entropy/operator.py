@@ -40,7 +40,7 @@ from liger_patch.ops.core import call_graph, deferred_checks, head_start
 from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
-from liger_patch.ops.core.graphed_forward import GraphedForward
+from liger_patch.ops.core.graphed_forward import GraphedForward, Later
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     LabelCheck,
@@ -222,7 +222,7 @@ def _forward(args: ForwardInputs, empties: EmptyOutputs) -> _Outputs:
             return call_graph.run(_GRAPHED, key, weight, (args, opts, backend, shape_key, gflop))
     cw = ClassWeight.of(args.class_weight)
     pending = _begin(args, opts, backend, shape_key, gflop, cw)
-    return _checked_forward(args, opts, backend, pending, empties, cw)
+    return _checked_forward(args, opts, backend, pending, empties, cw=cw)
 
 
 def _begin(
@@ -248,11 +248,13 @@ def _checked_forward(
     backend: RowBackend,
     pending: PendingLabels,
     empties: EmptyOutputs,
+    later: Later | None = None,
     cw: ClassWeight | None = None,
 ) -> _Outputs:
     """The forward once its label check is begun: the check finished, then one plan's launches
-    where one serves the call, else the chunk loop; the outputs as a tuple. ``cw``: the class
-    weights' record, where ``args`` has them."""
+    where one serves the call, else the chunk loop; the outputs as a tuple. ``later``: in a CUDA
+    graph's capture, where a plan's grad_W is left (made after each replay, not the graph's own
+    storage). ``cw``: the class weights' record, where ``args`` has them."""
     hidden, weight = args.hidden, args.weight
     call, head, budget_all = None, None, None
     if expects_skip(pending, opts.tuning) and not arrived_ahead(pending):  # computed while the host waits
@@ -263,7 +265,9 @@ def _checked_forward(
     plan = one_chunk.planned(key, backend)
     if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
-        res = plan.run(hidden, weight, checked.labels, coef, opts)
+        res = plan.run(hidden, weight, checked.labels, coef, opts, leave_weight=later is not None)
+        if res.grad_weight_later is not None:
+            later.leave(_GRAD_WEIGHT, res.grad_weight_later)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
     call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
     call = _checked_call(call, checked, head, budget_all)
@@ -275,6 +279,7 @@ def _checked_forward(
 
 
 _GRAPHED = GraphedForward(_begin, _checked_forward, graphed_forward.LAYOUT)
+_GRAD_WEIGHT = ForwardOutputs._fields.index("grad_weight")
 
 
 flce = torch.library.custom_op("liger_patch::flce", _flce, mutates_args=())

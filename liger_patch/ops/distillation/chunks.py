@@ -30,6 +30,7 @@ from liger_patch.ops.core.budget import chunk_rows
 from liger_patch.ops.core.contexts import without_grad
 from liger_patch.ops.core.gemm import gemm_dtype_for, gemm_logits
 from liger_patch.ops.core.grad_sums import GradSums
+from liger_patch.ops.core.grad_weight_layout import GradWeightLater, WeightSpec
 from liger_patch.ops.core.walked_rows import Chunk, chunks
 from liger_patch.ops.distillation.options import DistillOptions, SideOptions
 from liger_patch.ops.distillation.rows import ROW_BUFFERS, distill_rows, side_log_probs
@@ -73,6 +74,7 @@ class DistillResult:
     grad_hidden: Tensor | None = None
     grad_weight: Tensor | None = None
     grad_bias: Tensor | None = None
+    grad_weight_later: GradWeightLater | None = None  # ``DistillCall.leave_weight``
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,12 @@ TORCH_MATH_WITH_IGNORED = ChunkMath(
 or while a CUDA graph is captured): their loss and gradient are 0, as the Triton kernel writes."""
 
 
+def grad_weight_dtype(student: Head, ws: Tensor) -> torch.dtype:
+    """What grad_W is summed in: fp32 where the GEMMs run in fp32 (``ws``: the weight as they
+    read it), else the weight's dtype."""
+    return _F32 if ws.dtype == _F32 else student.weight.dtype
+
+
 def student_grads(
     student: Head, ws: Tensor, needs: tuple[bool, bool, bool], kept: Tensor | None, *, in_fp32: bool = False
 ) -> GradSums:
@@ -158,7 +166,7 @@ def student_grads(
         dtype = _F32 if in_fp32 else student.hidden.dtype
         grad_hidden = new(student.hidden.shape, dtype=dtype, device=device)
     if needs[1]:  # no chunk to overwrite it: zeros
-        sum_dtype = _F32 if in_fp32 or ws.dtype == _F32 else student.weight.dtype
+        sum_dtype = _F32 if in_fp32 else grad_weight_dtype(student, ws)
         new = torch.empty if total and overwrite_first else torch.zeros
         grad_sum = new(student.weight.shape, dtype=sum_dtype, device=device)
     if needs[2] and student.bias is not None:
@@ -203,6 +211,19 @@ class ChunkWalk:
     kept: Tensor | None
     budget_bytes: int
 
+    def rows_per_chunk(self, math: ChunkMath, want_grad: bool) -> int:
+        """How many rows each chunk of this walk takes (``distill_chunk_rows``)."""
+        total = self.labels.shape[0] if self.kept is None else self.kept.shape[0]
+        gathers = self.kept is not None
+        return distill_chunk_rows(
+            math, total, self.student, self.teacher, self.opts,
+            want_grad=want_grad, gathers=gathers, budget=self.budget_bytes,
+        )  # fmt: skip
+
+    def one_chunk(self, math: ChunkMath, want_grad: bool) -> bool:
+        """Whether this walk is one chunk of every row."""
+        return self.kept is None and self.rows_per_chunk(math, want_grad) >= self.labels.shape[0]
+
 
 @without_grad
 def walk_chunks(
@@ -212,23 +233,23 @@ def walk_chunks(
     coef: Tensor | None,
     values: Tensor | None = None,
     grads: GradSums | None = None,
-) -> None:
+    keep_last: bool = False,
+) -> tuple[Tensor, Tensor] | None:
     """The one chunk loop: ``math.step`` over the rows ``walk`` covers in chunks within its
     budget, each chunk's per-row values put in its rows of ``values`` and its gradient added to
-    ``grads``."""
+    ``grads``. With ``keep_last`` the last chunk's gradient and hidden rows as the GEMMs read
+    them are returned (for a grad_W made later: ``run_distill``)."""
     student, teacher, labels, opts, kept = walk.student, walk.teacher, walk.labels, walk.opts, walk.kept
-    total = labels.shape[0] if kept is None else kept.shape[0]
-    want_grad, gathers = grads is not None, kept is not None
-    step = distill_chunk_rows(
-        math, total, student, teacher, opts, want_grad=want_grad, gathers=gathers, budget=walk.budget_bytes
-    )
-    for rows in chunks(labels.shape[0], kept, step):
+    last = None
+    for rows in chunks(labels.shape[0], kept, walk.rows_per_chunk(math, grads is not None)):
         row_values, g, hs = math.step(rows, student, teacher, labels, coef, opts)
         if values is not None:
             rows.put(values, row_values)
         if g is not None:
             grads.add(rows, g, hs, student.w)
+            last = (g.to(student.w.dtype), hs) if keep_last else None
         del row_values, g, hs  # before the next chunk's buffers are made
+    return last
 
 
 @dataclass(frozen=True)
@@ -239,7 +260,9 @@ class DistillCall:
 
     ``kept``: the kept tokens' row numbers (sorted), or ``None`` when every token is kept.
     ``budget_bytes``: the chunks' working memory. ``math``: the backend's chunk work
-    (``operator.chunk_math``)."""
+    (``operator.chunk_math``). ``leave_weight``: where the walk is one chunk of every row,
+    grad_W is not made but left to the result's ``grad_weight_later`` (a CUDA graph of the
+    forward leaves it out: ``core/graphed_forward.Later``)."""
 
     student: Head
     teacher: Head
@@ -250,6 +273,7 @@ class DistillCall:
     needs: tuple[bool, bool, bool]
     budget_bytes: int
     math: ChunkMath = TORCH_MATH
+    leave_weight: bool = False
 
 
 @without_grad
@@ -259,9 +283,15 @@ def run_distill(call: DistillCall) -> DistillResult:
     s, t = Side.of(student), Side.of(call.teacher)
     want = call.coef is not None and any(needs)
     res = DistillResult(loss=torch.zeros(labels.shape[0], dtype=_F32, device=labels.device))
-    grads = student_grads(student, s.w, needs, kept) if want else None
     walk = ChunkWalk(s, t, labels, call.opts, kept, call.budget_bytes)
-    walk_chunks(call.math, walk, coef=call.coef if want else None, values=res.loss, grads=grads)
+    later = call.leave_weight and want and needs[1] and walk.one_chunk(call.math, True)
+    grads = student_grads(student, s.w, (needs[0], needs[1] and not later, needs[2]), kept) if want else None
+    last = walk_chunks(
+        call.math, walk, coef=call.coef if want else None, values=res.loss, grads=grads, keep_last=later
+    )
     if grads is not None:
         res.grad_hidden, res.grad_weight, res.grad_bias = finished_grads(grads, student)
+    if later:  # the grad_W ``student_grads`` and the chunk's ``GradSums.add`` would make
+        spec = WeightSpec(student.weight.shape, student.weight.dtype, student.weight.device)
+        res.grad_weight_later = GradWeightLater(*last, grad_weight_dtype(student, s.w), True, spec)
     return res

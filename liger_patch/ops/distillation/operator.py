@@ -39,7 +39,7 @@ from liger_patch.ops.core.contexts import autocast_off
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
-from liger_patch.ops.core.graphed_forward import GraphedForward
+from liger_patch.ops.core.graphed_forward import GraphedForward, Later
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.kept_rows import (
     LabelCheck,
@@ -182,9 +182,17 @@ def _begin(args: DistillInputs, opts: DistillOptions, backend: Backend, shape_ke
 
 
 def _checked_forward(
-    args: DistillInputs, opts: DistillOptions, backend: Backend, pending: PendingLabels, _empties=None
+    args: DistillInputs,
+    opts: DistillOptions,
+    backend: Backend,
+    pending: PendingLabels,
+    _empties=None,
+    later: Later | None = None,
 ) -> _Outputs:
-    """The forward once its label check is begun: the check finished, then the chunk loop."""
+    """The forward once its label check is begun: the check finished, then the chunk loop.
+    ``later``: in a CUDA graph's capture, where a forward of one chunk leaves the student's
+    grad_W (made after each replay, not the graph's own storage). ``_empties``: unused, as
+    ``GraphedForward``'s ``Body`` has it."""
     sh = args.student_hidden
     student, teacher = _heads(args)
     precompute = grads_in_forward(opts.reduction, sh.dtype, args.needs)
@@ -206,8 +214,11 @@ def _checked_forward(
             needs=tuple(args.needs),
             budget_bytes=budget_bytes,
             math=chunk_math(backend, head, with_ignored=with_ignored),
+            leave_weight=later is not None,
         )
         res = run_distill(call)
+    if res.grad_weight_later is not None:
+        later.leave(_GRAD_WEIGHT, res.grad_weight_later)
     loss = reduce_rows(res.loss, opts.reduction, checked.divisor)
     if checked.poison is not None:
         loss = loss * checked.poison
@@ -216,6 +227,7 @@ def _checked_forward(
 
 
 _GRAPHED = GraphedForward(_begin, _checked_forward, graphed_forward.LAYOUT)
+_GRAD_WEIGHT = 3  # the outputs: loss, row weights, grad_h, grad_W, grad_b
 
 
 fused_distill = torch.library.custom_op("liger_patch::fused_distill", _fused_distill, mutates_args=())

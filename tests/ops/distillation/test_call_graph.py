@@ -2,7 +2,8 @@
 (``Tuning(call_graphs=True)``, ``distillation/graphed_forward.py``). Replays must give the bits of
 calls without graphs for new values of both sides, new labels and ignored positions, over the
 options, dtypes and gradients wanted, for forwards of one chunk and of several; must never
-rewrite a gradient still being accumulated; must never read a teacher weight from where it no
+rewrite a gradient still being accumulated; must hand out a student grad_W of its own; must
+never read a teacher weight from where it no
 longer is; must leave a forward that waits for its label check to it; and a bad label or
 ``num_items_in_batch`` must still raise. ``GraphCache``'s bookkeeping:
 tests/ops/core/test_call_graph.py. (tests/conftest.py starts every test with no graph.)"""
@@ -12,7 +13,13 @@ import weakref
 
 import pytest
 import torch
-from op_helpers import assert_same_bits, count_replays, needs_gpu_for_graphs, raises_by_step
+from op_helpers import (
+    assert_same_bits,
+    count_replays,
+    needs_gpu_for_graphs,
+    raises_by_step,
+    warm_capture_stream,
+)
 
 import liger_patch as lp
 from liger_patch.ops.core import call_graph
@@ -119,6 +126,44 @@ def test_accumulated_gradients_equal_the_ungraphed_ones(monkeypatch, gen, device
     # The first round: a plain call, then a capture and two replays (the first call's .grad is
     # its own). Then one replay a round, the first, while no .grad is held.
     assert len(replays) == 2 + 1 + 1
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_replays_student_weight_gradient_is_its_own(monkeypatch, gen, device, tied):
+    """As the cross-entropy op's graphs do (tests/ops/cross_entropy/test_call_graph.py), a graph
+    of a forward of one chunk leaves the student's grad_W to a GEMM after each replay: a tensor
+    of its own, so the micro-batches accumulated into ``.grad`` after it was cleared replay too,
+    the sums (a tied student's with its embedding's) are the ungraphed bits, and the graph keeps
+    less memory than one grad_W. The student's hidden states are an embedding's rows, not a
+    leaf whose ``.grad`` would hold the graph's grad_h."""
+    needs_gpu_for_graphs(device)
+    warm_capture_stream(device)
+    replays = count_replays(monkeypatch)
+    wide = 1024  # grad_W (V x 1024) well above what the graph must keep
+    table0 = torch.randn(V, wide, generator=gen).to(device, torch.bfloat16) / 8
+    weight0 = table0 if tied else torch.randn(V, wide, generator=gen).to(device, torch.bfloat16) / 8
+    teacher = _case(gen, device, requires_grad=())
+    sums, held = {}, {}
+    for tuning in (GRAPHS, NO_GRAPHS):
+        before = torch.cuda.memory_allocated(device)
+        table = table0.clone().requires_grad_()
+        weight = table if tied else weight0.clone().requires_grad_()
+        steps = torch.Generator().manual_seed(7)
+        for call in range(6):
+            if call == 2:
+                table.grad = weight.grad = None  # an optimizer step's zero_grad
+            _fresh(teacher, steps)
+            ids = torch.randint(0, V, (N,), generator=steps).to(device)
+            hidden = torch.nn.functional.embedding(ids, table) * 1.5
+            case = {**teacher, "student_hidden": hidden, "student_weight": weight}
+            (_loss(case, tuning) * 1.7).backward()
+        sums[tuning] = (table.grad.clone(), weight.grad.clone())
+        del table, weight, hidden, case
+        torch.cuda.synchronize(device)
+        held[tuning] = torch.cuda.memory_allocated(device) - before - 2 * table0.nbytes  # the sums
+    assert len(replays) == 5  # calls 2-6
+    assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
+    assert 0 < held[GRAPHS] < table0.nbytes, held  # the graph's own memory, kept between calls
 
 
 def test_a_teacher_weight_elsewhere_is_never_read_from_the_old_address(monkeypatch, gen, device):
