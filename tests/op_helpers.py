@@ -563,6 +563,34 @@ def warm_capture_stream(device) -> None:
     one_chunk.forget()
 
 
+def embedded_head_sums(device, tied: bool, vocab: int, step, tunings) -> tuple[dict, dict, int]:
+    """A head in small, per tuning of ``tunings`` (graphs on, then off): an embedding table and a
+    head weight of ``vocab`` rows of width 1024 (bf16, the same tensor where ``tied``), six
+    micro-batches ``step(table, weight, tuning, gen)`` (each makes its hidden states from the
+    table and runs forward and backward with fresh inputs from ``gen``, seeded alike per
+    tuning), the gradients cleared after the second (an optimizer step's ``zero_grad``). Returns
+    each tuning's gradient sums (table, weight) and the memory that tuning's run left allocated
+    beyond them (what its graphs keep), and the bytes of one such gradient."""
+    gen = torch.Generator().manual_seed(3)
+    table0 = torch.randn(vocab, 1024, generator=gen).to(device, torch.bfloat16) / 8
+    weight0 = table0 if tied else torch.randn(vocab, 1024, generator=gen).to(device, torch.bfloat16) / 8
+    sums, held = {}, {}
+    for tuning in tunings:
+        before = torch.cuda.memory_allocated(device)
+        table = table0.clone().requires_grad_()
+        weight = table if tied else weight0.clone().requires_grad_()
+        inputs = torch.Generator().manual_seed(7)
+        for call in range(6):
+            if call == 2:
+                table.grad = weight.grad = None
+            step(table, weight, tuning, inputs)
+        sums[tuning] = (table.grad.clone(), weight.grad.clone())
+        del table, weight
+        torch.cuda.synchronize(device)
+        held[tuning] = torch.cuda.memory_allocated(device) - before - 2 * table0.nbytes
+    return sums, held, table0.nbytes
+
+
 def needs_gpu_for_graphs(device) -> None:
     """Skip where ``device`` is not CUDA: the ops capture graphs of their own only there."""
     if device.type != "cuda":

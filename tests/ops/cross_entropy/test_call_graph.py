@@ -21,6 +21,7 @@ from op_helpers import (
     capture_step,
     checks_taken_ahead,
     count_replays,
+    embedded_head_sums,
     fresh_values,
     make_case,
     needs_gpu_for_graphs,
@@ -147,48 +148,31 @@ def test_accumulated_gradients_equal_the_plans(monkeypatch, gen, device):
     assert len(replays) >= 2  # the graphed run's later calls replayed into the sums
 
 
-def _embedded_step(ids, labels, table, weight, tuning: Tuning) -> None:
-    """A model's head in small: the hidden states an embedding's rows (``table``'s), the fused
-    loss over them with ``weight`` (the same tensor for a tied head), then the backward."""
-    hidden = torch.nn.functional.embedding(ids, table) * 1.5
-    (call_raw(hidden, weight, labels, tuning=tuning) * 1.7).backward()
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_replays_weight_gradient_is_its_own(monkeypatch, gen, device, tied):
+def test_a_replays_weight_gradient_is_its_own(monkeypatch, device, tied):
     """A weight's gradient from a replay is a tensor of its own, not the graph's storage (the
     graph leaves it to a GEMM after the replay), so a replay may run while the last one's is
     kept: the first micro-batch after the gradients were cleared replays and its gradient
     becomes ``.grad``, and the micro-batches accumulated into it replay too (were it the
     graph's storage, they would run plainly). The sums are the bits of calls without graphs,
-    and a graph holds less memory than one grad_W (it would hold one more, also for a head tied
-    to its embedding, whose gradients are summed into a new tensor)."""
+    and a graph keeps less memory than one grad_W (it would keep one more, also for a head tied
+    to its embedding, whose gradients are summed into a new tensor). The hidden states are an
+    embedding's rows, not a leaf whose ``.grad`` would hold the graph's grad_h."""
     needs_gpu_for_graphs(device)
     warm_capture_stream(device)
     replays = count_replays(monkeypatch)
-    wide = 1024  # grad_W (V x 1024) well above what the graph must keep (N rows of logits and hidden)
-    table0 = torch.randn(V, wide, generator=gen).to(device, torch.bfloat16)
-    weight0 = table0 if tied else torch.randn(V, wide, generator=gen).to(device, torch.bfloat16) / 8
-    sums, held = {}, {}
-    for tuning in (GRAPHS, NO_GRAPHS):
-        before = torch.cuda.memory_allocated(device)
-        table = table0.clone().requires_grad_()
-        weight = table if tied else weight0.clone().requires_grad_()
-        steps = torch.Generator().manual_seed(7)
-        for call in range(6):
-            if call == 2:
-                table.grad = weight.grad = None  # an optimizer step's zero_grad
-            ids = torch.randint(0, V, (N,), generator=steps).to(device)
-            labels = torch.randint(0, V, (N,), generator=steps)
-            labels[torch.rand(N, generator=steps) < 0.3] = -100
-            _embedded_step(ids, labels.to(device), table, weight, tuning)
-        sums[tuning] = (table.grad.clone(), weight.grad.clone())
-        del table, weight, ids, labels
-        torch.cuda.synchronize(device)
-        held[tuning] = torch.cuda.memory_allocated(device) - before - 2 * table0.nbytes  # the sums
+
+    def step(table, weight, tuning, gen):
+        ids = torch.randint(0, V, (N,), generator=gen).to(device)
+        labels = torch.randint(0, V, (N,), generator=gen)
+        labels[torch.rand(N, generator=gen) < 0.3] = -100
+        hidden = torch.nn.functional.embedding(ids, table) * 1.5
+        (call_raw(hidden, weight, labels.to(device), tuning=tuning) * 1.7).backward()
+
+    sums, held, grad_bytes = embedded_head_sums(device, tied, V, step, (GRAPHS, NO_GRAPHS))
     assert len(replays) == 5  # calls 2-6
     assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
-    assert 0 < held[GRAPHS] < table0.nbytes, held  # the graph's own memory, kept between calls
+    assert 0 < held[GRAPHS] < grad_bytes, held  # the graph's own memory, kept between calls
 
 
 def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):

@@ -16,6 +16,7 @@ import torch
 from op_helpers import (
     assert_same_bits,
     count_replays,
+    embedded_head_sums,
     needs_gpu_for_graphs,
     raises_by_step,
     warm_capture_stream,
@@ -134,36 +135,23 @@ def test_a_replays_student_weight_gradient_is_its_own(monkeypatch, gen, device, 
     of a forward of one chunk leaves the student's grad_W to a GEMM after each replay: a tensor
     of its own, so the micro-batches accumulated into ``.grad`` after it was cleared replay too,
     the sums (a tied student's with its embedding's) are the ungraphed bits, and the graph keeps
-    less memory than one grad_W. The student's hidden states are an embedding's rows, not a
-    leaf whose ``.grad`` would hold the graph's grad_h."""
+    less memory than one grad_W."""
     needs_gpu_for_graphs(device)
     warm_capture_stream(device)
     replays = count_replays(monkeypatch)
-    wide = 1024  # grad_W (V x 1024) well above what the graph must keep
-    table0 = torch.randn(V, wide, generator=gen).to(device, torch.bfloat16) / 8
-    weight0 = table0 if tied else torch.randn(V, wide, generator=gen).to(device, torch.bfloat16) / 8
     teacher = _case(gen, device, requires_grad=())
-    sums, held = {}, {}
-    for tuning in (GRAPHS, NO_GRAPHS):
-        before = torch.cuda.memory_allocated(device)
-        table = table0.clone().requires_grad_()
-        weight = table if tied else weight0.clone().requires_grad_()
-        steps = torch.Generator().manual_seed(7)
-        for call in range(6):
-            if call == 2:
-                table.grad = weight.grad = None  # an optimizer step's zero_grad
-            _fresh(teacher, steps)
-            ids = torch.randint(0, V, (N,), generator=steps).to(device)
-            hidden = torch.nn.functional.embedding(ids, table) * 1.5
-            case = {**teacher, "student_hidden": hidden, "student_weight": weight}
-            (_loss(case, tuning) * 1.7).backward()
-        sums[tuning] = (table.grad.clone(), weight.grad.clone())
-        del table, weight, hidden, case
-        torch.cuda.synchronize(device)
-        held[tuning] = torch.cuda.memory_allocated(device) - before - 2 * table0.nbytes  # the sums
+
+    def step(table, weight, tuning, inputs):
+        _fresh(teacher, inputs)
+        ids = torch.randint(0, V, (N,), generator=inputs).to(device)
+        hidden = torch.nn.functional.embedding(ids, table) * 1.5
+        case = {**teacher, "student_hidden": hidden, "student_weight": weight}
+        (_loss(case, tuning) * 1.7).backward()
+
+    sums, held, grad_bytes = embedded_head_sums(device, tied, V, step, (GRAPHS, NO_GRAPHS))
     assert len(replays) == 5  # calls 2-6
     assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
-    assert 0 < held[GRAPHS] < table0.nbytes, held  # the graph's own memory, kept between calls
+    assert 0 < held[GRAPHS] < grad_bytes, held  # the graph's own memory, kept between calls
 
 
 def test_a_teacher_weight_elsewhere_is_never_read_from_the_old_address(monkeypatch, gen, device):
