@@ -14,6 +14,8 @@ of it ignored), three variants: unpatched, patched, and patched with
 * Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
   graph is made) and then three with the peak statistics reset: the peak allocated and reserved
   GiB of those three, and for the graphs variant how many graphs were kept and replays run.
+* ``--accumulate k``: each step ``k`` micro-batches of the batch, each loss divided by ``k`` and
+  its backward run, then the optimizer's step (the gradients accumulate in ``.grad``).
 
     python benchmarks/experiments/graph_step_cost.py \
         --out benchmarks/experiments/results/graph_step_cost.json
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -69,17 +72,34 @@ def replay_counter() -> list:
     return calls
 
 
-def timed(model, opt, batch, kinds: dict, rounds: int) -> dict:
+def accumulated(model, opt, batch, steps: int, k: int) -> dict:
+    """``host_bound.segment``'s steps, each of ``k`` micro-batches accumulated (``k`` 1: its own)."""
+    if k == 1:
+        return segment(model, opt, batch, steps, "cuda")
+    times = []
+    for _ in range(steps):
+        synchronize("cuda")
+        start = time.perf_counter()
+        for _ in range(k):
+            (model(**batch).loss / k).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize("cuda")
+        times.append(1e3 * (time.perf_counter() - start))
+    return {"ms": times}
+
+
+def timed(model, opt, batch, kinds: dict, rounds: int, k: int) -> dict:
     """Median step ms of each variant and the paired ratios against unpatched."""
     for enter in kinds.values():
         with enter():
-            segment(model, opt, batch, 3, "cuda")
+            accumulated(model, opt, batch, 3, k)
     runs = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         order = list(kinds.items())
         for kind, enter in order if round_ % 2 == 0 else reversed(order):
             with enter():
-                runs[kind].append(statistics.median(segment(model, opt, batch, 3, "cuda")["ms"][1:]))
+                runs[kind].append(statistics.median(accumulated(model, opt, batch, 3, k)["ms"][1:]))
     out = {f"{kind}_step_ms": statistics.median(ms) for kind, ms in runs.items()}
     for kind in ("patched", "graphs"):
         pairs = zip(runs["unpatched"], runs[kind], strict=True)
@@ -87,16 +107,16 @@ def timed(model, opt, batch, kinds: dict, rounds: int) -> dict:
     return out
 
 
-def peak(model, opt, batch, enter, replays: list) -> dict:
+def peak(model, opt, batch, enter, replays: list, k: int) -> dict:
     """Peak allocated and reserved GiB of three steps after four, from no graph and an emptied cache."""
     call_graph.forget()
     free_memory()
     with enter():
-        segment(model, opt, batch, 4, "cuda")
+        accumulated(model, opt, batch, 4, k)
         synchronize("cuda")
         torch.cuda.reset_peak_memory_stats()
         before = len(replays)
-        segment(model, opt, batch, 3, "cuda")
+        accumulated(model, opt, batch, 3, k)
         synchronize("cuda")
     return {
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB,
@@ -106,17 +126,17 @@ def peak(model, opt, batch, enter, replays: list) -> dict:
     }
 
 
-def model_rows(name: str, tokens_list: list[int], ignored: float, rounds: int, replays: list):
+def model_rows(name: str, tokens_list: list[int], ignored: float, rounds: int, replays: list, k: int):
     family, config = GPU_PLAN.models[name]
     model = build_model(family, config, GPU_PLAN)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     for tokens in tokens_list:
         batch = make_batch(tokens, model.config.vocab_size, ignored, "cuda")
         kinds = variants(model)
-        row = {"model": name, "tokens": tokens, "ignored": ignored}
-        row.update(timed(model, opt, batch, kinds, rounds))
+        row = {"model": name, "tokens": tokens, "ignored": ignored, "accumulate": k}
+        row.update(timed(model, opt, batch, kinds, rounds, k))
         for kind, enter in kinds.items():
-            row.update({f"{kind}_{k}": v for k, v in peak(model, opt, batch, enter, replays).items()})
+            row.update({f"{kind}_{key}": v for key, v in peak(model, opt, batch, enter, replays, k).items()})
         print(row, flush=True)
         yield row
     del model, opt
@@ -130,13 +150,18 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[256, 1024, 4096])
     parser.add_argument("--ignored", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
     if not need_cuda("graph_step_cost.py"):
         raise SystemExit(2)
     replays = replay_counter()
-    rows = [r for m in args.models for r in model_rows(m, args.tokens, args.ignored, args.rounds, replays)]
+    rows = [
+        r
+        for m in args.models
+        for r in model_rows(m, args.tokens, args.ignored, args.rounds, replays, args.accumulate)
+    ]
     head = {**environment("transformers"), "commit": args.commit or git_head()}
     write_json(args.out, {**head, "rows": rows})
 
