@@ -563,18 +563,21 @@ def warm_capture_stream(device) -> None:
     one_chunk.forget()
 
 
-def embedded_head_sums(device, tied: bool, vocab: int, step, tunings) -> tuple[dict, dict, int]:
+def embedded_head_sums(device, tied: bool, vocab: int, step, tunings) -> tuple[dict, dict, dict, int]:
     """A head in small, per tuning of ``tunings`` (graphs on, then off): an embedding table and a
     head weight of ``vocab`` rows of width 1024 (bf16, the same tensor where ``tied``), six
     micro-batches ``step(table, weight, tuning, gen)`` (each makes its hidden states from the
     table and runs forward and backward with fresh inputs from ``gen``, seeded alike per
     tuning), the gradients cleared after the second (an optimizer step's ``zero_grad``). Returns
-    each tuning's gradient sums (table, weight) and the memory that tuning's run left allocated
-    beyond them (what its graphs keep), and the bytes of one such gradient."""
+    each tuning's gradient sums (table, weight), the memory its run left allocated beyond them
+    (what its graphs keep), the bytes its graphs' pools reserve (``graph_pool_bytes``), and the
+    bytes of one such gradient."""
+    from liger_patch.ops.core import call_graph
+
     gen = torch.Generator().manual_seed(3)
     table0 = torch.randn(vocab, 1024, generator=gen).to(device, torch.bfloat16) / 8
     weight0 = table0 if tied else torch.randn(vocab, 1024, generator=gen).to(device, torch.bfloat16) / 8
-    sums, held = {}, {}
+    sums, held, pools = {}, {}, {}
     for tuning in tunings:
         before = torch.cuda.memory_allocated(device)
         table = table0.clone().requires_grad_()
@@ -588,7 +591,16 @@ def embedded_head_sums(device, tied: bool, vocab: int, step, tunings) -> tuple[d
         del table, weight
         torch.cuda.synchronize(device)
         held[tuning] = torch.cuda.memory_allocated(device) - before - 2 * table0.nbytes
-    return sums, held, table0.nbytes
+        pools[tuning] = graph_pool_bytes(call_graph._GRAPHS.graphs())
+    return sums, held, pools, table0.nbytes
+
+
+def graph_pool_bytes(graphs) -> int:
+    """The bytes the memory pools of ``graphs`` (``call_graph.CallGraph``) reserve: what they
+    hold from every other allocation, free blocks included."""
+    ids = {tuple(g.pool.id) for g in graphs}
+    segments = torch.cuda.memory_snapshot()
+    return sum(seg["total_size"] for seg in segments if tuple(seg["segment_pool_id"]) in ids)
 
 
 def needs_gpu_for_graphs(device) -> None:

@@ -7,8 +7,9 @@ capture makes the graph's)? Here a head alone, Llama-3.2-1B's (V 128256, H 2048,
 a quarter ignored), its hidden states an embedding's output, the embedding tied to the head's
 weight or not, is stepped with graphs off and on: per step the peak allocated MiB over the
 memory before it, what is still allocated after the backward and after the gradients are set to
-``None``, whether a graph is kept and whether the weight's gradient is the graph's storage (it was
-until the graph left grad_W to a GEMM after each replay: ``core/graphed_forward.Later``).
+``None``, what the kept graphs' pools reserve (free blocks included), whether a graph is kept and
+whether the weight's gradient is the graph's storage (it was until the graph left grad_W to a
+GEMM after each replay: ``core/graphed_forward.Later``).
 ``--shapes`` takes several N,H,V; a first capture at a tiny shape, not measured, makes what the
 side stream sets up once.
 
@@ -61,6 +62,9 @@ def steps(v: int, h: int, n: int, tied: bool, graphs: bool, count: int) -> list[
             for g in kept for t in g.outputs
         )  # fmt: skip
         peak = torch.cuda.max_memory_allocated() - base
+        pools = {tuple(g.pool.id) for g in kept}
+        segments = torch.cuda.memory_snapshot()
+        pool_reserved = sum(seg["total_size"] for seg in segments if tuple(seg["segment_pool_id"]) in pools)
         weight.grad = table.grad = None
         del hidden, loss
         torch.cuda.synchronize()
@@ -68,6 +72,7 @@ def steps(v: int, h: int, n: int, tied: bool, graphs: bool, count: int) -> list[
             "step": step, "peak_mib": peak / MIB, "after_backward_mib": after_backward / MIB,
             "after_zero_grad_mib": (torch.cuda.memory_allocated() - base) / MIB,
             "graphs_kept": len(kept), "grad_in_graph_storage": replayed,
+            "pool_reserved_mib": pool_reserved / MIB,
         })  # fmt: skip
     return rows
 

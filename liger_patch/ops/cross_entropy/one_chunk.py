@@ -203,6 +203,16 @@ def learn(key: tuple, call: ChunkCall) -> None:
         keep_bounded(_PLANS, key, OneChunk.of(call), _MAX_PLANS)
 
 
+def learn_now(key: tuple, call: ChunkCall) -> OneChunk | None:
+    """``key``'s plan made from ``call`` now, whether or not its signature was seen before: for a
+    CUDA graph's capture, whose warm-up and capture must take the same path (a warm-up that ran
+    ``run_chunks`` before the plan existed would leave grad_W's block reserved in the graph's
+    pool, which the capture's plan then never uses)."""
+    plan = OneChunk.of(call)
+    keep_bounded(_PLANS, key, plan, _MAX_PLANS)
+    return plan
+
+
 def forget() -> None:
     """Drop every plan and graph: each signature is then planned again from its next two calls."""
     _PLANS.clear()

@@ -263,16 +263,19 @@ def _checked_forward(
     checked = finish_label_check(pending, opts.tuning)
     key = one_chunk.signature(args, opts, backend) if head is None and checked.kept_rows is None else None
     plan = one_chunk.planned(key, backend)
+    if plan is None:
+        call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
+        call = _checked_call(call, checked, head, budget_all)
+        if key is not None and later is not None:  # a capture's warm-up too takes the plan's path
+            plan = one_chunk.learn_now(key, call)
+        elif key is not None:
+            one_chunk.learn(key, call)
     if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
         res = plan.run(hidden, weight, checked.labels, coef, opts, leave_weight=later is not None)
         if res.grad_weight_later is not None:
             later.leave(_GRAD_WEIGHT, res.grad_weight_later)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))
-    call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
-    call = _checked_call(call, checked, head, budget_all)
-    if key is not None:
-        one_chunk.learn(key, call)
     with autocast_off(hidden.device.type):
         res = run_chunks(call)
     return tuple(_forward_outputs(opts, call.outputs, res, checked, empties))

@@ -151,7 +151,7 @@ def test_accumulated_gradients_equal_the_plans(monkeypatch, gen, device):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_a_replays_weight_gradient_is_its_own(monkeypatch, device, tied):
     """A weight's gradient from a replay is a tensor of its own, not the graph's storage (the
-    graph leaves it to a GEMM after the replay), so a replay may run while the last one's is
+    graph leaves it to a GEMM after the replay, its warm-up too), so a replay may run while the last one's is
     kept: the first micro-batch after the gradients were cleared replays and its gradient
     becomes ``.grad``, and the micro-batches accumulated into it replay too (were it the
     graph's storage, they would run plainly). The sums are the bits of calls without graphs,
@@ -163,16 +163,18 @@ def test_a_replays_weight_gradient_is_its_own(monkeypatch, device, tied):
     replays = count_replays(monkeypatch)
 
     def step(table, weight, tuning, gen):
-        ids = torch.randint(0, V, (N,), generator=gen).to(device)
-        labels = torch.randint(0, V, (N,), generator=gen)
+        ids = torch.randint(0, table.shape[0], (N,), generator=gen).to(device)
+        labels = torch.randint(0, weight.shape[0], (N,), generator=gen)
         labels[torch.rand(N, generator=gen) < 0.3] = -100
         hidden = torch.nn.functional.embedding(ids, table) * 1.5
         (call_raw(hidden, weight, labels.to(device), tuning=tuning) * 1.7).backward()
 
-    sums, held, grad_bytes = embedded_head_sums(device, tied, V, step, (GRAPHS, NO_GRAPHS))
+    # grad_W (4096 x 1024 bf16, 8 MiB) above what a pool of small blocks holds (2 MiB segments)
+    sums, held, pools, grad_bytes = embedded_head_sums(device, tied, 4096, step, (GRAPHS, NO_GRAPHS))
     assert len(replays) == 5  # calls 2-6
     assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
     assert 0 < held[GRAPHS] < grad_bytes, held  # the graph's own memory, kept between calls
+    assert 0 < pools[GRAPHS] < grad_bytes, pools  # and what its pool reserves, free blocks included
 
 
 def test_no_replay_while_the_weight_is_elsewhere(monkeypatch, gen, device):

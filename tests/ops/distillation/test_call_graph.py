@@ -130,7 +130,7 @@ def test_accumulated_gradients_equal_the_ungraphed_ones(monkeypatch, gen, device
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_replays_student_weight_gradient_is_its_own(monkeypatch, gen, device, tied):
+def test_a_replays_student_weight_gradient_is_its_own(monkeypatch, device, tied):
     """As the cross-entropy op's graphs do (tests/ops/cross_entropy/test_call_graph.py), a graph
     of a forward of one chunk leaves the student's grad_W to a GEMM after each replay: a tensor
     of its own, so the micro-batches accumulated into ``.grad`` after it was cleared replay too,
@@ -139,19 +139,25 @@ def test_a_replays_student_weight_gradient_is_its_own(monkeypatch, gen, device, 
     needs_gpu_for_graphs(device)
     warm_capture_stream(device)
     replays = count_replays(monkeypatch)
-    teacher = _case(gen, device, requires_grad=())
+    vocab = 4096  # grad_W (8 MiB) above what a pool of small blocks holds (2 MiB segments)
+    teacher = {
+        "teacher_hidden": torch.empty(N, HT, dtype=torch.bfloat16, device=device),
+        "teacher_weight": torch.empty(vocab, HT, dtype=torch.bfloat16, device=device),
+        "labels": torch.empty(N, dtype=torch.long, device=device),  # _fresh: below V, so in vocab
+    }
 
     def step(table, weight, tuning, inputs):
         _fresh(teacher, inputs)
-        ids = torch.randint(0, V, (N,), generator=inputs).to(device)
+        ids = torch.randint(0, vocab, (N,), generator=inputs).to(device)
         hidden = torch.nn.functional.embedding(ids, table) * 1.5
         case = {**teacher, "student_hidden": hidden, "student_weight": weight}
         (_loss(case, tuning) * 1.7).backward()
 
-    sums, held, grad_bytes = embedded_head_sums(device, tied, V, step, (GRAPHS, NO_GRAPHS))
+    sums, held, pools, grad_bytes = embedded_head_sums(device, tied, vocab, step, (GRAPHS, NO_GRAPHS))
     assert len(replays) == 5  # calls 2-6
     assert_same_bits(sums[GRAPHS], sums[NO_GRAPHS])
     assert 0 < held[GRAPHS] < grad_bytes, held  # the graph's own memory, kept between calls
+    assert 0 < pools[GRAPHS] < grad_bytes, pools  # and what its pool reserves, free blocks included
 
 
 def test_a_teacher_weight_elsewhere_is_never_read_from_the_old_address(monkeypatch, gen, device):
