@@ -18,12 +18,14 @@ import torch
 from op_helpers import assert_same_bits, call_op, fresh_values, make_case, materialize_options, record_calls
 from torch import Tensor
 
+from liger_patch.ops.core.eager_call import EmptyOutputs
 from liger_patch.ops.core.grad_sums import GradSums
+from liger_patch.ops.core.graphed_forward import Later
 from liger_patch.ops.core.tuning import Tuning
 from liger_patch.ops.cross_entropy import chunks, one_chunk
 from liger_patch.ops.cross_entropy import operator as flce_operator
 from liger_patch.ops.cross_entropy.backends import row_backend
-from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
+from liger_patch.ops.cross_entropy.forward_io import ForwardInputs, ForwardOutputs
 from liger_patch.ops.cross_entropy.options import LossOptions
 
 H, V = 24, 160  # 16-byte aligned rows in every dtype: the fused GEMM takes them
@@ -258,3 +260,28 @@ def test_partials_are_freed_before_the_gradient_gemms(monkeypatch, gen, device):
     _planned_thrice(case)
     assert taken and len(runs) == 1  # partials were made, by the loop and by a plan
     assert len(seen_alive) == 4 and not any(seen_alive)
+
+
+def test_a_capture_plans_at_once_and_leaves_grad_w_to_later(gen, device):
+    """A forward run for a CUDA graph's capture (given a ``Later``: ``core/graphed_forward``) makes
+    its plan at once, even at its signature's first sighting, and leaves grad_W to the
+    ``Later``: a graph's warm-up is that sighting, and were it run by ``run_chunks`` its grad_W
+    would stay reserved in the graph's pool, which the capture's plan never uses. The grad_W made
+    later is the plain call's bits. (On the CPU no graph is captured; the forward's body runs.)"""
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="none")
+    _run(case, -100, plans=False)  # the shape's ignored share, 0: no head start (a capture has none)
+    opts = LossOptions()
+    backend = row_backend(opts.backend, case.hidden.device)
+    args = ForwardInputs(
+        hidden=case.hidden.detach(), weight=case.weight.detach(), bias=None, labels=case.labels,
+        class_weight=None, num_items=None, num_items_value=None, options=opts.key, needs=[True, True, False],
+    )  # fmt: skip
+    shape_key = (case.hidden.device, N, V)
+    gflop = flce_operator._gemm_gflop(args.hidden, args.weight, opts.reduction, args.needs)
+    pending = flce_operator._begin(args, opts, backend, shape_key, gflop)
+    later, empties = Later(), EmptyOutputs(device, shared=True)
+    left = flce_operator._checked_forward(args, opts, backend, pending, empties, later)
+    index = ForwardOutputs._fields.index("grad_weight")
+    assert list(later.outputs) == [index] and left[index].numel() == 0
+    plain = flce_operator._GRAPHED.run(args, opts, backend, shape_key, gflop)  # the plan made above
+    assert_same_bits(later.outputs[index](), plain[index])
