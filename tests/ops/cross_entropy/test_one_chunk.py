@@ -188,6 +188,17 @@ def test_a_signature_seen_once_is_not_planned_and_the_oldest_go_first(gen, devic
     assert not one_chunk._PLANS
 
 
+def _forward_inputs(opts: LossOptions, **fields) -> ForwardInputs:
+    """The operator's arguments of a plain call with ``fields`` (hidden, weight and labels at
+    least): by default no bias, class weights or ``num_items_in_batch``, gradients for hidden
+    and weight."""
+    plain = dict(
+        bias=None, class_weight=None, num_items=None, num_items_value=None, options=opts.key,
+        needs=[True, True, False],
+    )  # fmt: skip
+    return ForwardInputs(**{**plain, **fields})
+
+
 def test_no_plan_for_bias_class_weights_low_rank_or_no_rows(gen, device):
     dtype = _dtypes(device)[0]
     case = make_case(gen, (N,), H, V, dtype=dtype, device=device, bias=True)
@@ -196,11 +207,7 @@ def test_no_plan_for_bias_class_weights_low_rank_or_no_rows(gen, device):
     backend = row_backend(opts.backend, hidden.device)
 
     def inputs(**changes):
-        args = dict(
-            hidden=hidden, weight=weight, bias=None, labels=case.labels, class_weight=None, num_items=None,
-            num_items_value=None, options=opts.key, needs=[True, True, False],
-        )  # fmt: skip
-        return ForwardInputs(**{**args, **changes})
+        return _forward_inputs(opts, **{"hidden": hidden, "weight": weight, "labels": case.labels, **changes})
 
     assert one_chunk.signature(inputs(), opts, backend) is not None
     assert one_chunk.signature(inputs(bias=bias), opts, backend) is None
@@ -272,10 +279,7 @@ def test_a_capture_plans_at_once_and_leaves_grad_w_to_later(gen, device):
     _run(case, -100, plans=False)  # the shape's ignored share, 0: no head start (a capture has none)
     opts = LossOptions()
     backend = row_backend(opts.backend, case.hidden.device)
-    args = ForwardInputs(
-        hidden=case.hidden.detach(), weight=case.weight.detach(), bias=None, labels=case.labels,
-        class_weight=None, num_items=None, num_items_value=None, options=opts.key, needs=[True, True, False],
-    )  # fmt: skip
+    args = _forward_inputs(opts, hidden=case.hidden.detach(), weight=case.weight.detach(), labels=case.labels)
     shape_key = (case.hidden.device, N, V)
     gflop = flce_operator._gemm_gflop(args.hidden, args.weight, opts.reduction, args.needs)
     pending = flce_operator._begin(args, opts, backend, shape_key, gflop)
