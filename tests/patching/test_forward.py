@@ -197,6 +197,30 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_grads(pair):
     assert torch.count_nonzero(patched.lm_head.weight.grad) == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
+def test_a_model_split_over_two_gpus(pair):
+    """``device_map`` style: the body's first layer on cuda:0, the rest and the head on cuda:1,
+    cuda:0 current (as accelerate leaves it). The patched head runs on cuda:1 and the loss and
+    every gradient match the unpatched split model's."""
+    from accelerate import dispatch_model
+
+    split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0}
+    split |= {"model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+    reference, patched = (dispatch_model(m, device_map=split) for m in pair)
+    batch = {k: v.to("cuda:0") for k, v in make_batch().items()}
+    torch.cuda.set_device(0)
+    losses = []
+    for model in (reference, patched):
+        out = model(**batch)
+        out.loss.backward()
+        losses.append(out.loss)
+    assert losses[1].device == torch.device("cuda", 1)
+    close(losses[1], losses[0])
+    for (name, a), (_, b) in zip(reference.named_parameters(), patched.named_parameters(), strict=True):
+        ratio = ((a.grad.float() - b.grad.float()).norm() / a.grad.float().norm()).item()
+        assert ratio < 8e-2, name
+
+
 def test_generate_is_unchanged(pair):
     reference, patched = pair
     prompt = make_batch()["input_ids"][:1, :5]

@@ -1,5 +1,5 @@
-"""The two modes every call of the fused losses sets around its chunk loops, set only where they
-change something.
+"""The modes every call of the fused losses sets around its work, set only where they change
+something: autocast off and gradients off around the chunk loops, and the inputs' CUDA device.
 
 ``torch.autocast(..., enabled=False)`` and ``torch.no_grad()`` are Python context managers that
 cost a few microseconds of host time each to build, enter and leave: in every training step, for
@@ -9,16 +9,24 @@ on: its exit clears the thread's cast cache, shared by every device type, when i
 outermost region, and that cache is empty only while autocast is off everywhere (a region of
 another device type, or autocast switched on by ``torch.set_autocast_enabled``, fills it)
 (docs/perf-notes.md item 60).
+
+The CUDA device: a Triton launch, an event's record, a stream made or asked whether it captures
+all act on the current device, not on the tensors' (PyTorch's own operators switch to their
+inputs' device; ours must). A model split over GPUs (``device_map="auto"``, pipeline stages) calls
+its head on ``cuda:1`` while the current device is ``cuda:0``: without the switch the kernels
+would run on device 0's stream, unordered with the work that made their inputs on device 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
+from torch import Tensor
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -47,4 +55,33 @@ def without_grad(fn: Callable[P, R]) -> Callable[P, R]:
         with torch.no_grad():
             return fn(*args, **kwargs)
 
+    return run
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(device)`` where ``device`` is a CUDA device other than the current one,
+    else a context that does nothing (the common case costs a comparison)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NOTHING
+
+
+def on_inputs_device(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` run with its first argument's CUDA device current (``on_device``): the first
+    argument is a tensor, or a list of tensors (the first one's device). For the operators'
+    implementations, which every path reaches: the eager twin, the registered operator (under
+    ``torch.compile`` too) and the backward operators."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        first = args[0]
+        if isinstance(first, list):
+            first = first[0] if first else None
+        if isinstance(first, Tensor) and first.is_cuda:
+            with on_device(first.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    # Annotations resolved in fn's module: torch.library infers an operator's schema from them.
+    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
     return run

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.backends import pick
+from liger_patch.ops.core.contexts import on_inputs_device
 from liger_patch.ops.core.eager_call import EagerOp
 
 
@@ -28,6 +29,7 @@ def grads_in_forward(reduction: str, dtype: torch.dtype, needs: list[bool] | tup
     return reduction != "none" and dtype != torch.float16 and any(needs)
 
 
+@on_inputs_device
 def _scale_grads(grads: list[Tensor], scale: Tensor, backend: str) -> None:
     """Multiplies the gradients the forward computed by the upstream gradient ``scale`` (0-d fp32),
     in place, with ``backend``'s ``scale_`` (the name ``backend=`` takes: fp32 product rounded

@@ -239,7 +239,7 @@ def check_from_stats(
     host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
     host.copy_(stats, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(stats.device))  # the copy's stream, not the current device's
     return ValueCheck(labels, vocab, ignore_index, divisor, host, ready)
 
 

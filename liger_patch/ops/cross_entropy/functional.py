@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from liger_patch.ops.core import validation
+from liger_patch.ops.core.contexts import on_device
 from liger_patch.ops.core.eager_call import runs_plainly
 from liger_patch.ops.core.kept_rows import LabelCheck, NumItems, begin_ahead
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
@@ -130,7 +131,8 @@ def check_labels_ahead(
         return None  # (a call's reshape of other labels would copy them: never the same tensor)
     fused = row_backend(opts.backend, labels.device).label_check
     check = LabelCheck(labels.view(-1), vocab, opts.ignore_index, opts.reduction, NumItems(*items), fused)
-    return begin_ahead(check)
+    with on_device(labels.device):  # a model split over GPUs: its labels need not be on the current one
+        return begin_ahead(check)
 
 
 def fused_linear_cross_entropy(

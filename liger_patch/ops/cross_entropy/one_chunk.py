@@ -200,7 +200,7 @@ def learn(key: tuple, call: ChunkCall) -> None:
     if found is _ABSENT:
         keep_bounded(_PLANS, key, _SEEN_ONCE, _MAX_PLANS)
     elif found is _SEEN_ONCE:
-        keep_bounded(_PLANS, key, OneChunk.of(call), _MAX_PLANS)
+        learn_now(key, call)
 
 
 def learn_now(key: tuple, call: ChunkCall) -> OneChunk | None:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import call_graph, deferred_checks, head_start
-from liger_patch.ops.core.contexts import autocast_off
+from liger_patch.ops.core.contexts import autocast_off, on_inputs_device
 from liger_patch.ops.core.eager_call import EagerOp, EmptyOutputs
 from liger_patch.ops.core.forward_grads import grads_in_forward
 from liger_patch.ops.core.graphed_forward import GraphedForward, Later
@@ -181,6 +181,7 @@ _Outputs = tuple[
 ]  # ForwardOutputs' twelve
 
 
+@on_inputs_device
 def _flce(
     hidden: Tensor,
     weight: Tensor,
@@ -201,6 +202,7 @@ def _flce(
     return _forward(ForwardInputs(*args, low_rank_u, low_rank_b), EmptyOutputs(hidden.device, shared=False))
 
 
+@on_inputs_device
 def _flce_eager(*args) -> _Outputs:
     """``_flce`` for the eager twin (``FLCE``): the outputs not asked for share one empty tensor
     per dtype (``EmptyOutputs``)."""

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core import budget
-from liger_patch.ops.core.contexts import autocast_off
+from liger_patch.ops.core.contexts import autocast_off, on_inputs_device
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.kept_rows import in_range_unless_read
 from liger_patch.ops.cross_entropy.backends import row_backend
@@ -41,6 +41,7 @@ def budget_bytes(call: ChunkCall, kept: Tensor | None) -> int:
     return budget.working_bytes(call.opts.memory_budget, n_tokens, hidden.nbytes, whole)
 
 
+@on_inputs_device
 def _flce_backward(
     hidden: Tensor,
     weight: Tensor,

@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import validation
-from liger_patch.ops.core.contexts import autocast_off
+from liger_patch.ops.core.contexts import autocast_off, on_inputs_device
 from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
@@ -239,6 +239,7 @@ def _shard_grads(call: ChunkCall) -> list[Tensor | None]:
     return [res.grad_hidden, res.grad_weight, res.grad_bias]
 
 
+@on_inputs_device
 def vocab_parallel_loss(
     hidden: Tensor,
     weight: Tensor,

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import budget, call_graph, deferred_checks, kept_rows
 from liger_patch.ops.core.backends import Backend, pick
-from liger_patch.ops.core.contexts import autocast_off
+from liger_patch.ops.core.contexts import autocast_off, on_inputs_device
 from liger_patch.ops.core.eager_call import EagerOp
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.gemm import gemm_dtype_for
@@ -118,6 +118,7 @@ def chunk_math(backend: Backend, head: HeadStart | None = None, *, with_ignored:
 _Outputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+@on_inputs_device
 def _fused_distill(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -141,6 +142,7 @@ def _fused_distill(
     return _checked_forward(inputs, opts, backend, _begin(inputs, opts, backend, shape_key, gflop))
 
 
+@on_inputs_device
 def _fused_distill_eager(*args) -> _Outputs:
     """``_fused_distill`` for the eager twin (``FUSED_DISTILL``): replayed from a CUDA graph where
     one may serve the call (``graphed_forward``)."""
@@ -261,6 +263,7 @@ def _fused_distill_fake(
     return (student_hidden.new_empty(loss_shape, dtype=_F32), student_hidden.new_empty(n, dtype=_F32), *grads)
 
 
+@on_inputs_device
 def _fused_distill_backward(
     student_hidden: Tensor,
     student_weight: Tensor,

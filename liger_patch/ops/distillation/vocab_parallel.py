@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
-from liger_patch.ops.core.contexts import autocast_off, without_grad
+from liger_patch.ops.core.contexts import autocast_off, on_inputs_device, without_grad
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.kept_rows import NumItems
@@ -336,6 +336,7 @@ def _checked_side(side: str, hidden, weight, labels, bias, shard: VocabShard) ->
     return validation.autocast_inputs(hidden, weight, bias)
 
 
+@on_inputs_device
 def vocab_parallel_distillation(
     student_hidden: Tensor,
     student_weight: Tensor,
