@@ -81,8 +81,9 @@ def _answered_prefix(checks: list[_Deferred]) -> int:
 
 
 def _capturing() -> bool:
-    """Whether a CUDA graph is being captured: no event may be queried or waited for then."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured: no event may be queried or waited for then (never
+    before CUDA is initialized; asking that costs less than ``is_available``, at every call)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _read(how_many: Callable[[list[_Deferred]], int], learn: bool) -> None:
