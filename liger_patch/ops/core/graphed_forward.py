@@ -31,7 +31,7 @@ from torch import Tensor
 
 from liger_patch.ops.core import kept_rows
 from liger_patch.ops.core.eager_call import EmptyOutputs
-from liger_patch.ops.core.kept_rows import FusedCheck, FusedLabels, LabelCheck, NumItems, PendingLabels
+from liger_patch.ops.core.kept_rows import FusedCheck, FusedLabels, LabelCheck, PendingLabels
 from liger_patch.ops.core.tuning import Tuning
 
 BASE_ALIGN = 256
@@ -203,8 +203,7 @@ class GraphedForward:
     def _check(self, args, opts, backend) -> LabelCheck:
         """The call's label check, with the backend's one launch."""
         vocab = getattr(args, self.layout.vocab_weight).shape[0]
-        items = NumItems(args.num_items, args.num_items_value)
-        return LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
+        return LabelCheck.of_call(args, vocab, opts, backend.label_check)
 
 
 def _empties(args) -> EmptyOutputs:

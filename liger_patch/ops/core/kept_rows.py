@@ -24,7 +24,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -84,6 +84,14 @@ class LabelCheck(NamedTuple):
     reduction: str
     num_items: NumItems = NumItems()
     fused_check: FusedCheck | None = None
+
+    @classmethod
+    def of_call(cls, args: Any, vocab: int, opts: Any, fused_check: FusedCheck | None) -> LabelCheck:
+        """A forward's check: ``args``' labels and ``num_items_in_batch`` operands (its fields
+        ``labels``, ``num_items``, ``num_items_value``), against ``vocab`` classes, with ``opts``'
+        ``ignore_index`` and reduction and the backend's one launch."""
+        items = NumItems(args.num_items, args.num_items_value)
+        return cls(args.labels, vocab, opts.ignore_index, opts.reduction, items, fused_check)
 
     def normalized(self) -> LabelCheck:
         """The same check with the labels int64 and contiguous (kernels index them by row)."""

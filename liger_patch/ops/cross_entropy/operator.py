@@ -44,7 +44,6 @@ from liger_patch.ops.core.graphed_forward import GraphedForward, Later
 from liger_patch.ops.core.kept_rows import (
     CheckedLabels,
     LabelCheck,
-    NumItems,
     PendingLabels,
     arrived_ahead,
     begin_label_check,
@@ -238,9 +237,7 @@ def _begin(
     """The forward's label check, begun (``kept_rows.begin_label_check``); ``cw``: the class
     weights' record, where ``args`` has them."""
     weights = None if cw is None else cw.weight
-    items = NumItems(args.num_items, args.num_items_value)
-    vocab = args.weight.shape[0]
-    check = LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
+    check = LabelCheck.of_call(args, args.weight.shape[0], opts, backend.label_check)
     return begin_label_check(check, weights, shape_key, gflop)
 
 

@@ -43,7 +43,6 @@ from liger_patch.ops.core.graphed_forward import GraphedForward, Later
 from liger_patch.ops.core.head_start import HeadStart
 from liger_patch.ops.core.kept_rows import (
     LabelCheck,
-    NumItems,
     PendingLabels,
     begin_label_check,
     expects_skip,
@@ -177,9 +176,7 @@ def _heads(args: DistillInputs) -> tuple[Head, Head]:
 
 def _begin(args: DistillInputs, opts: DistillOptions, backend: Backend, shape_key: tuple, gflop: float):
     """The forward's label check, begun (``kept_rows.begin_label_check``)."""
-    items = NumItems(args.num_items, args.num_items_value)
-    vocab = args.student_weight.shape[0]
-    check = LabelCheck(args.labels, vocab, opts.ignore_index, opts.reduction, items, backend.label_check)
+    check = LabelCheck.of_call(args, args.student_weight.shape[0], opts, backend.label_check)
     return begin_label_check(check, None, shape_key, gflop)
 
 
