@@ -77,6 +77,10 @@ def _resolve_shape(shape: tuple[int, ...], numel: int) -> tuple[int, ...] | None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``.to(a)`` leaves a tensor on ``b`` where it is: ``"cuda"`` without an index is the
+    current device, as ``Tensor.to`` takes it (a model split over GPUs moves its logits so)."""
+    if a.type == "cuda" and a.index is None:
+        a = torch.device("cuda", torch.cuda.current_device())
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 

@@ -400,6 +400,22 @@ def test_casts_are_recorded_and_replayed():
     assert torch.equal(capture16(hidden).float().materialize(), head16(hidden).float())
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
+def test_a_move_to_cuda_without_an_index_goes_to_the_current_device():
+    """``.to("cuda")`` is the current device, as for a tensor: logits on cuda:1 with cuda:0 current
+    are moved (made real, then moved), not kept where they are; ``.to("cuda")`` with cuda:1
+    current keeps them deferred."""
+    head = make_head().to("cuda:1")
+    capture, _ = make_capture(head)
+    hidden = hidden_states().to("cuda:1")
+    with torch.cuda.device(1):
+        assert isinstance(capture(hidden).to("cuda"), DeferredLogits)
+    with torch.cuda.device(0):
+        moved = capture(hidden).to("cuda")
+        assert moved.device == torch.device("cuda", 0) and not isinstance(moved, DeferredLogits)
+        torch.testing.assert_close(moved, head(hidden).to("cuda:0"))
+
+
 def test_replay_matches_the_original_op_order_bit_for_bit():
     head = make_head()
     capture, _ = make_capture(head)

@@ -134,7 +134,8 @@ class CallGraph:
         self.static = plan.static(*inputs)  # with the call's values, for the warm-up
         side = _side_stream(weight.device)
         side.wait_stream(stream)
-        self.pool = torch.cuda.MemPool()  # the warm-up's memory and then the graph's
+        with torch.cuda.device(weight.device):  # a pool belongs to the device current at its making
+            self.pool = torch.cuda.MemPool()  # the warm-up's memory and then the graph's
         try:
             with torch.cuda.stream(side):
                 _warm_blas(weight)

@@ -71,10 +71,12 @@ def on_inputs_device(fn: Callable[P, R]) -> Callable[P, R]:
     argument is a tensor, or a list of tensors (the first one's device). For the operators'
     implementations, which every path reaches: the eager twin, the registered operator (under
     ``torch.compile`` too) and the backward operators."""
+    signature = inspect.signature(fn, eval_str=True)
+    first_name = next(iter(signature.parameters))
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        first = args[0]
+        first = args[0] if args else kwargs.get(first_name)
         if isinstance(first, list):
             first = first[0] if first else None
         if isinstance(first, Tensor) and first.is_cuda:
@@ -83,5 +85,5 @@ def on_inputs_device(fn: Callable[P, R]) -> Callable[P, R]:
         return fn(*args, **kwargs)
 
     # Annotations resolved in fn's module: torch.library infers an operator's schema from them.
-    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    run.__signature__ = signature  # type: ignore[attr-defined]
     return run

@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import validation
-from liger_patch.ops.core.contexts import autocast_off, on_inputs_device
+from liger_patch.ops.core.contexts import autocast_off, on_device, on_inputs_device
 from liger_patch.ops.core.kept_rows import NumItems
 from liger_patch.ops.core.options import check_logits_dtype, constant_changes
 from liger_patch.ops.core.reduction import loss_divisor, reduce_rows, row_weights
@@ -198,7 +198,8 @@ class _VocabParallelLoss(torch.autograd.Function):
             class_weight=ClassWeight.of(class_weight),
             entropy_grad=None if grad_entropy is None else EntropyGrad(grad_entropy.float(), entropy),
         )
-        grads = _shard_grads(call)
+        with on_device(hidden.device):  # compiled autograd runs a node on the caller's device
+            grads = _shard_grads(call)
         if needs[0]:
             dist.all_reduce(grads[0], group=shard.group)  # every shard's part of d loss / d hidden
         return (*grads, None)

@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from liger_patch.ops.core import budget, validation
 from liger_patch.ops.core.backends import pick
-from liger_patch.ops.core.contexts import autocast_off, on_inputs_device, without_grad
+from liger_patch.ops.core.contexts import autocast_off, on_device, on_inputs_device, without_grad
 from liger_patch.ops.core.forward_grads import ForwardGrads, grads_in_forward, spent_error
 from liger_patch.ops.core.grad_sums import GradSums
 from liger_patch.ops.core.kept_rows import NumItems
@@ -318,7 +318,7 @@ class _VocabParallelDistill(torch.autograd.Function):
         sh, sw, sb, labels, row_weight, values, *saved = ctx.saved_tensors
         teacher = held_teacher(ctx, saved)
         coef = row_weight * (0.0 if grad_loss is None else grad_loss.float())
-        with autocast_off(sh.device.type):
+        with autocast_off(sh.device.type), on_device(sh.device):  # compiled autograd: the caller's device
             rows = _ShardRows(labels, ctx.kept, ctx.shard, ctx.opts, ctx.widest)
             chunks = _ShardChunks.of((sh, sw, sb), teacher, rows)
             step = functools.partial(_grad_step, _StepOn(ctx.shard, chunks.math, values))

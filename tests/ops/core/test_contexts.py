@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import liger_patch as lp
-from liger_patch.ops.core import deferred_checks
+from liger_patch.ops.core import deferred_checks, early_checks
 from liger_patch.ops.core.contexts import autocast_off, on_device, on_inputs_device, without_grad
 from liger_patch.ops.core.tuning import Tuning
-from tests.op_helpers import assert_same_bits, count_replays
+from liger_patch.ops.cross_entropy.functional import check_labels_ahead
+from tests.op_helpers import assert_same_bits, checks_taken_ahead, count_replays
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
 
@@ -147,6 +148,7 @@ def test_on_inputs_device_keeps_the_function_its_signature_and_results():
     x = torch.randn(3)
     torch.testing.assert_close(body(x, 2.0), x * 2.0)
     assert body([x][0], scale=1.0).shape == (3,) and seen == [x.device, x.device]
+    torch.testing.assert_close(body(x=x, scale=3.0), x * 3.0)  # every argument by keyword
     assert body.__name__ == "body" and body.__doc__ == "Scales."
     signature = inspect.signature(body)
     assert signature.parameters["x"].annotation is torch.Tensor  # resolved, not the string
@@ -260,3 +262,20 @@ def test_a_bad_label_on_another_gpu_raises():
         lp.fused_linear_cross_entropy(hidden, weight, labels).backward()
         torch.cuda.synchronize(1)
         deferred_checks.raise_pending()
+
+
+@TWO_GPUS
+def test_a_check_begun_ahead_on_another_gpu_is_taken_by_its_call(monkeypatch):
+    """The label check a patched forward begins before its body, for labels on cuda:1 with cuda:0
+    current: queued on cuda:1's stream (the key names that stream), taken by the call, the same
+    bits as the call alone."""
+    hidden, weight, labels = _head("cuda:1")
+    with torch.cuda.device(1):
+        alone = _results(lambda: lp.fused_linear_cross_entropy(hidden, weight, labels), hidden, weight)
+    found = checks_taken_ahead(monkeypatch)
+    with torch.cuda.device(0):
+        key = check_labels_ahead(labels, weight.shape[0])
+        assert key is not None
+        got = _results(lambda: lp.fused_linear_cross_entropy(hidden, weight, labels), hidden, weight)
+    assert found == [True] and not early_checks.drop(key)
+    assert_same_bits(got, alone)
