@@ -18,6 +18,7 @@ from liger_patch.ops.core import call_graph, deferred_checks
 from liger_patch.ops.cross_entropy.options import OUTPUT_OPTIONS, OptionKind, options_of_kind
 from liger_patch.ops.reference import reference_flce
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative tolerance (also used as a fraction of the largest reference value for atol).

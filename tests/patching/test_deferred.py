@@ -21,6 +21,7 @@ from liger_patch.patching.forward import PatchLoss
 from liger_patch.patching.registry import ModelSpec
 from liger_patch.patching.seam import CapturedCall, UnfusableLogitsUse
 from liger_patch.patching.state import PatchState
+from tests.op_helpers import TWO_GPUS
 
 H, V = 24, 37  # sizes that divide no block size
 
@@ -400,7 +401,7 @@ def test_casts_are_recorded_and_replayed():
     assert torch.equal(capture16(hidden).float().materialize(), head16(hidden).float())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
+@TWO_GPUS
 def test_a_move_to_cuda_without_an_index_goes_to_the_current_device():
     """``.to("cuda")`` is the current device, as for a tensor: logits on cuda:1 with cuda:0 current
     are moved (made real, then moved), not kept where they are; ``.to("cuda")`` with cuda:1

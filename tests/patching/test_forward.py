@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import liger_patch as lp
-from tests.op_helpers import raises_by_step
+from tests.op_helpers import TWO_GPUS, raises_by_step
 from tests.patching_helpers import available_model_types, device_and_dtype, make_batch, tiny_model
 
 TOL = 1e-5 if device_and_dtype()[1] == torch.float32 else 2e-2
@@ -197,7 +197,7 @@ def test_all_ignored_batch_gives_zero_loss_and_zero_grads(pair):
     assert torch.count_nonzero(patched.lm_head.weight.grad) == 0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a model split over GPUs needs two")
+@TWO_GPUS
 def test_a_model_split_over_two_gpus(pair):
     """``device_map`` style: the body's first layer on cuda:0, the rest and the head on cuda:1,
     cuda:0 current (as accelerate leaves it). The patched head runs on cuda:1 and the loss and

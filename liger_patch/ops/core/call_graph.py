@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from liger_patch.ops.core.bounded import keep_bounded, touched
+from liger_patch.ops.core.contexts import on_device
 
 
 class Graphable(Protocol):
@@ -134,7 +135,7 @@ class CallGraph:
         self.static = plan.static(*inputs)  # with the call's values, for the warm-up
         side = _side_stream(weight.device)
         side.wait_stream(stream)
-        with torch.cuda.device(weight.device):  # a pool belongs to the device current at its making
+        with on_device(weight.device):  # a pool belongs to the device current at its making
             self.pool = torch.cuda.MemPool()  # the warm-up's memory and then the graph's
         try:
             with torch.cuda.stream(side):
