@@ -9,8 +9,11 @@ of it ignored), three variants: unpatched, patched, and patched with
 
 * Time: ``host_bound.py``'s method. Every variant warmed up, then ``--rounds`` rounds of one
   segment a variant (three steps each, timed from a synchronised start to a synchronised end, the
-  first untimed), the order reversed every other round; the median step ms, and the paired
-  ratio against unpatched. The graphs of the graphs variant stay made while the others run.
+  first untimed), the order rotated every round; the median step ms, and the paired ratio
+  against unpatched with a 95 % bootstrap interval of that median (so that a row says whether
+  its difference is resolved), and the same for the host ms of a step (from its start to the
+  return of ``opt.zero_grad``, before the final sync). Every round's figures are kept in the
+  row. The graphs of the graphs variant stay made while the others run.
 * Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
   graph is made) and then three with the peak statistics reset: the peak allocated and reserved
   GiB of those three, and for the graphs variant how many graphs were kept and replays run.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -42,7 +46,6 @@ from host_bound import (  # noqa: E402
     free_memory,
     make_batch,
     ours_applied,
-    segment,
     synchronize,
 )
 
@@ -73,10 +76,9 @@ def replay_counter() -> list:
 
 
 def accumulated(model, opt, batch, steps: int, k: int) -> dict:
-    """``host_bound.segment``'s steps, each of ``k`` micro-batches accumulated (``k`` 1: its own)."""
-    if k == 1:
-        return segment(model, opt, batch, steps, "cuda")
-    times = []
+    """``host_bound.segment``'s steps, each of ``k`` micro-batches accumulated (``k`` 1: its own
+    batch), with the host ms of each (before the final sync)."""
+    times, host = [], []
     for _ in range(steps):
         synchronize("cuda")
         start = time.perf_counter()
@@ -84,9 +86,10 @@ def accumulated(model, opt, batch, steps: int, k: int) -> dict:
             (model(**batch).loss / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        host.append(1e3 * (time.perf_counter() - start))
         synchronize("cuda")
         times.append(1e3 * (time.perf_counter() - start))
-    return {"ms": times}
+    return {"ms": times, "host_ms": host}
 
 
 def timed(model, opt, batch, kinds: dict, rounds: int, k: int) -> dict:
@@ -94,17 +97,33 @@ def timed(model, opt, batch, kinds: dict, rounds: int, k: int) -> dict:
     for enter in kinds.values():
         with enter():
             accumulated(model, opt, batch, 3, k)
-    runs = {kind: [] for kind in kinds}
+    runs = {kind: {"ms": [], "host_ms": []} for kind in kinds}
+    order = list(kinds.items())
     for round_ in range(rounds):
-        order = list(kinds.items())
-        for kind, enter in order if round_ % 2 == 0 else reversed(order):
+        turn = round_ % len(order)
+        for kind, enter in order[turn:] + order[:turn]:
             with enter():
-                runs[kind].append(statistics.median(accumulated(model, opt, batch, 3, k)["ms"][1:]))
-    out = {f"{kind}_step_ms": statistics.median(ms) for kind, ms in runs.items()}
-    for kind in ("patched", "graphs"):
-        pairs = zip(runs["unpatched"], runs[kind], strict=True)
-        out[f"{kind}_paired_ratio"] = statistics.median(k / u for u, k in pairs)
+                seg = accumulated(model, opt, batch, 3, k)
+            for key in ("ms", "host_ms"):
+                runs[kind][key].append(statistics.median(seg[key][1:]))
+    out = {}
+    for kind, got in runs.items():
+        out[f"{kind}_step_ms"] = statistics.median(got["ms"])
+        out[f"{kind}_host_ms"] = statistics.median(got["host_ms"])
+    for kind in [name for name in kinds if name != "unpatched"]:
+        for key, label in (("ms", "paired_ratio"), ("host_ms", "host_paired_ratio")):
+            ratios = [b / a for a, b in zip(runs["unpatched"][key], runs[kind][key], strict=True)]
+            out[f"{kind}_{label}"] = statistics.median(ratios)
+            out[f"{kind}_{label}_ci95"] = median_interval(ratios)
+    out["rounds"] = runs
     return out
+
+
+def median_interval(values: list[float], resamples: int = 2000) -> list[float]:
+    """A 95 % percentile-bootstrap interval of the median of ``values`` (seeded: reruns agree)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
 def peak(model, opt, batch, enter, replays: list, k: int) -> dict:
@@ -137,7 +156,7 @@ def model_rows(name: str, tokens_list: list[int], ignored: float, rounds: int, r
         row.update(timed(model, opt, batch, kinds, rounds, k))
         for kind, enter in kinds.items():
             row.update({f"{kind}_{key}": v for key, v in peak(model, opt, batch, enter, replays, k).items()})
-        print(row, flush=True)
+        print({key: value for key, value in row.items() if key != "rounds"}, flush=True)
         yield row
     del model, opt
     call_graph.forget()
