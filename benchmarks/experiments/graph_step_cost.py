@@ -12,8 +12,10 @@ of it ignored), three variants: unpatched, patched, and patched with
   first untimed), the order rotated every round; the median step ms, and the paired ratio
   against unpatched with a 95 % bootstrap interval of that median (so that a row says whether
   its difference is resolved), and the same for the host ms of a step (from its start to the
-  return of ``opt.zero_grad``, before the final sync). Every round's figures are kept in the
-  row. The graphs of the graphs variant stay made while the others run.
+  return of ``opt.zero_grad``, before the final sync) and for the main thread's CPU ms over that
+  span (``time.thread_time``: what the host computed, without the time it was not scheduled or
+  waited). Every round's figures are kept in the row. The graphs of the graphs variant stay made
+  while the others run.
 * Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
   graph is made) and then three with the peak statistics reset: the peak allocated and reserved
   GiB of those three, and for the graphs variant how many graphs were kept and replays run.
@@ -77,19 +79,20 @@ def replay_counter() -> list:
 
 def accumulated(model, opt, batch, steps: int, k: int) -> dict:
     """``host_bound.segment``'s steps, each of ``k`` micro-batches accumulated (``k`` 1: its own
-    batch), with the host ms of each (before the final sync)."""
-    times, host = [], []
+    batch), with the host ms of each (before the final sync) and the main thread's CPU ms."""
+    times, host, cpu = [], [], []
     for _ in range(steps):
         synchronize("cuda")
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(k):
             (model(**batch).loss / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         host.append(1e3 * (time.perf_counter() - start))
+        cpu.append(1e3 * (time.thread_time() - start_cpu))
         synchronize("cuda")
         times.append(1e3 * (time.perf_counter() - start))
-    return {"ms": times, "host_ms": host}
+    return {"ms": times, "host_ms": host, "cpu_ms": cpu}
 
 
 def timed(model, opt, batch, kinds: dict, rounds: int, k: int) -> dict:
@@ -97,21 +100,23 @@ def timed(model, opt, batch, kinds: dict, rounds: int, k: int) -> dict:
     for enter in kinds.values():
         with enter():
             accumulated(model, opt, batch, 3, k)
-    runs = {kind: {"ms": [], "host_ms": []} for kind in kinds}
+    runs = {kind: {"ms": [], "host_ms": [], "cpu_ms": []} for kind in kinds}
     order = list(kinds.items())
     for round_ in range(rounds):
         turn = round_ % len(order)
         for kind, enter in order[turn:] + order[:turn]:
             with enter():
                 seg = accumulated(model, opt, batch, 3, k)
-            for key in ("ms", "host_ms"):
+            for key in ("ms", "host_ms", "cpu_ms"):
                 runs[kind][key].append(statistics.median(seg[key][1:]))
     out = {}
     for kind, got in runs.items():
         out[f"{kind}_step_ms"] = statistics.median(got["ms"])
         out[f"{kind}_host_ms"] = statistics.median(got["host_ms"])
+        out[f"{kind}_cpu_ms"] = statistics.median(got["cpu_ms"])
     for kind in [name for name in kinds if name != "unpatched"]:
-        for key, label in (("ms", "paired_ratio"), ("host_ms", "host_paired_ratio")):
+        labels = (("ms", "paired_ratio"), ("host_ms", "host_paired_ratio"), ("cpu_ms", "cpu_paired_ratio"))
+        for key, label in labels:
             ratios = [b / a for a, b in zip(runs["unpatched"][key], runs[kind][key], strict=True)]
             out[f"{kind}_{label}"] = statistics.median(ratios)
             out[f"{kind}_{label}_ci95"] = median_interval(ratios)
