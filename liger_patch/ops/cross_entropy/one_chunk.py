@@ -14,12 +14,21 @@ with the chunk loops' own functions (``chunk_plan.plan_for``, ``chunk_plan.fused
 fused GEMM's ``supported``); ``OneChunk.run`` issues only what ``run_chunks`` issues for that
 call: the fused logits GEMM, then the chunk loop's own body (``chunks.token_chunk``: the row
 kernel, grad_h and grad_W), so its results are the same bits. ``signature`` says what a plan
-depends on; a call that differs in any of it (or that walks only its kept rows, or begins its
-head before the label check) takes ``run_chunks``. ``Tuning.call_plans`` turns the plans off.
+depends on; a call that differs in any of it (or that begins its head before the label check)
+takes ``run_chunks``. ``Tuning.call_plans`` turns the plans off.
+
+A forward that walks only its kept rows (it read its label check first to skip the ignored
+ones: a patched model's larger heads, whose check was begun before the body) has a plan of its
+own, made where ``run_chunks`` would walk every row as one chunk, and so any number of kept
+rows with the same decisions (``OneChunk.of``); its calls gather the kept rows and scatter their
+results as ``run_chunks`` does, whatever their count. Without it that path
+cost a host-bound step about 0.7 ms of host time more than a planned call (docs/perf-notes.md
+item 83).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -39,23 +48,27 @@ from liger_patch.ops.core.grad_weight_layout import (
     grad_weight_buffers,
     grad_weight_sum_dtype,
 )
-from liger_patch.ops.core.walked_rows import Chunk
+from liger_patch.ops.core.walked_rows import Chunk, walked
 from liger_patch.ops.cross_entropy.backends import RowBackend
 from liger_patch.ops.cross_entropy.chunk_call import ChunkCall, ChunkResult, GradsWanted
 from liger_patch.ops.cross_entropy.chunk_plan import fused_backend, plan_for
 from liger_patch.ops.cross_entropy.chunks import ChunkLogits, token_chunk
 from liger_patch.ops.cross_entropy.forward_io import ForwardInputs
 from liger_patch.ops.cross_entropy.options import LossOptions
+from liger_patch.ops.cross_entropy.recompute import budget_bytes
 from liger_patch.ops.cross_entropy.row_io import RowGrad
 
 _MAX_PLANS = 256
 
 
-def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tuple | None:
+def signature(
+    args: ForwardInputs, opts: LossOptions, backend: RowBackend, kept: Tensor | None = None
+) -> tuple | None:
     """Everything a plan depends on (``head_key``, with the base alignment that the fused GEMM's
-    ``supported`` reads; ``planned`` checks the backend record is the same object), or ``None``
-    where no plan can serve the call (a backend without a fused logits GEMM or with it turned
-    off, a bias, class weights, a low-rank term, no rows, plans turned off)."""
+    ``supported`` reads, and whether the call walks only the kept rows ``kept`` lists;
+    ``planned`` checks the backend record is the same object), or ``None`` where no plan can
+    serve the call (a backend without a fused logits GEMM or with it turned off, a bias, class
+    weights, a low-rank term, no rows or no kept row, plans turned off)."""
     hidden, fused = args.hidden, backend.fused_logits
     tuning = opts.tuning
     if (
@@ -65,9 +78,10 @@ def signature(args: ForwardInputs, opts: LossOptions, backend: RowBackend) -> tu
         or args.class_weight is not None
         or args.low_rank_u is not None
         or hidden.shape[0] == 0
+        or (kept is not None and kept.shape[0] == 0)
     ):
         return None
-    return head_key(args, backend, fused.align)
+    return (head_key(args, backend, fused.align), kept is not None)
 
 
 def head_key(args: ForwardInputs, backend: RowBackend, align: int) -> tuple:
@@ -98,22 +112,27 @@ def head_key(args: ForwardInputs, backend: RowBackend, align: int) -> tuple:
 @dataclass(frozen=True)
 class OneChunk:
     """The plan of a signature's calls: the backend record it was made for, the chunk plan (grad_W's
-    buffers follow it), the gradients computed and the logits' dtype."""
+    buffers follow it), the gradients computed, the logits' dtype, and whether its calls walk
+    only their kept rows."""
 
     backend: RowBackend
     plan: ChunkPlan
     wanted: GradsWanted
     logits_dtype: torch.dtype
+    walks_kept: bool = False
 
     @classmethod
     def of(cls, call: ChunkCall) -> OneChunk | None:
-        """The plan of ``call`` (the forward's, its label check read, walking every row), or
-        ``None`` where ``run_chunks`` would not run it as one chunk on the fused GEMM with no
-        record, cast or copy: then every call of its signature takes ``run_chunks``."""
+        """The plan of ``call`` (the forward's, its label check read, walking every row or the
+        kept rows ``call.row_index`` lists), or ``None`` where ``run_chunks`` would not run it as
+        one chunk on the fused GEMM with no record, cast or copy: then every call of its
+        signature takes ``run_chunks``. A plan for kept rows serves any number of them: it is
+        made only where a walk of every row would be one chunk, and then so is a walk of fewer
+        with the same decisions (a budget in bytes holds as many rows whatever the walk;
+        ``"batch"`` sizes it to one chunk of the rows walked, ``recompute.budget_bytes``)."""
         hidden, weight = call.inputs.hidden, call.inputs.weight
         if (
-            call.row_index is not None
-            or call.head_start is not None
+            call.head_start is not None
             or call.lse_in is not None
             or call.entropy_grad is not None
             or (call.outputs is not None and call.outputs.any())
@@ -122,13 +141,17 @@ class OneChunk:
             return None
         fused = fused_backend(call)
         tuning = call.opts.tuning
-        if fused is None or not fused.fused_logits.supported(hidden, weight, call.logits_dtype, tuning):
+        # A walk of the kept rows reads their gathered copy: a new, contiguous tensor.
+        rows = hidden if call.row_index is None else hidden.new_empty((1, hidden.shape[1]))
+        if fused is None or not fused.fused_logits.supported(rows, weight, call.logits_dtype, tuning):
             return None
-        plan, _ = plan_for(call, call.computes_grads and call.wanted.weight, None)
-        if plan.two_pass or plan.weight_in_grad_weight or plan.rows < hidden.shape[0]:
+        grad_weight = call.computes_grads and call.wanted.weight
+        # ``labels`` stand in for an index of every row, as in ``chunk_plan.start_head``.
+        plan = _one_chunk_plan(call, grad_weight, None if call.row_index is None else call.labels)
+        if plan is None:
             return None
         wanted = call.wanted if call.computes_grads else GradsWanted()
-        return cls(call.backend, plan, wanted, call.logits_dtype)
+        return cls(call.backend, plan, wanted, call.logits_dtype, call.row_index is not None)
 
     @without_grad  # gradients are computed by hand here, as in ``run_chunks``
     def run(
@@ -139,25 +162,31 @@ class OneChunk:
         coef: Tensor | None,
         opts: LossOptions,
         *,
+        kept: Tensor | None = None,
         leave_weight: bool = False,
     ) -> ChunkResult:
         """``run_chunks``' result for a call of this plan's signature, with these tensors: the
         checked ``labels`` and, where gradients are computed, ``coef`` (each row's weight in the
-        reduced loss) as both coefficients. With ``leave_weight`` grad_W, where computed, is not
-        made here but left to the result's ``grad_weight_later``: a CUDA graph of the forward
-        leaves it out (``core/graphed_forward.Later``)."""
+        reduced loss) as both coefficients; ``kept``: the kept rows' index, for a plan that walks
+        them (``walks_kept``). With ``leave_weight`` grad_W, where computed, is not made here but
+        left to the result's ``grad_weight_later``: a CUDA graph of the forward leaves it out
+        (``core/graphed_forward.Later``)."""
         backend, wanted = self.backend, self.wanted
+        if (kept is not None) != self.walks_kept:
+            raise RuntimeError("liger_patch: a call plan run with the wrong walked rows (a bug)")
         later = leave_weight and wanted.weight
         grad_hidden = grad_weight = grad_sum = None
-        if wanted.hidden:
-            grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        if wanted.hidden:  # a walk of the kept rows scatters into zeros, as ``pass_state`` makes them
+            new = torch.empty if kept is None else torch.zeros
+            grad_hidden = new(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         if wanted.weight and not later:
             grad_weight, grad_sum = grad_weight_buffers(self.plan, weight, hidden.dtype)
+        chunk = Chunk(0, hidden.shape[0] if kept is None else kept.shape[0], kept)
+        labels, coef = walked(labels, kept), walked(coef, kept)
         with autocast_off(hidden.device.type):
-            logits = torch.empty(
-                hidden.shape[0], weight.shape[0], dtype=self.logits_dtype, device=hidden.device
-            )
-            partials = backend.fused_logits.logits_with_partials(hidden, weight, None, opts, logits)
+            h = hidden if kept is None else chunk.take(hidden)
+            logits = torch.empty(h.shape[0], weight.shape[0], dtype=self.logits_dtype, device=h.device)
+            partials = backend.fused_logits.logits_with_partials(h, weight, None, opts, logits)
             made = ChunkLogits(logits, partials)
             del partials  # ``token_chunk`` frees them after the row kernel
             grad = grads = None
@@ -165,18 +194,43 @@ class OneChunk:
                 grad = RowGrad(grad_view(logits, weight.dtype), coef, coef)
                 sums = grad_weight if grad_sum is None else grad_sum
                 grads = GradSums(grad_hidden, sums, None, self.plan.overwrite_first)
-            ce, lse = token_chunk(
-                backend, opts, made, labels, grad, grads, Chunk(0, hidden.shape[0]), hidden, weight
-            )
+            ce, lse = token_chunk(backend, opts, made, labels, grad, grads, chunk, h, weight)
+            if kept is not None:
+                ce, lse = _into_every_row(kept, hidden.shape[0], ce, lse)
             res = ChunkResult(ce, lse, grad_hidden, None, None)
             if later:  # ``GradSums.add``'s grad_W GEMM, with its operands
                 sum_dtype = grad_weight_sum_dtype(self.plan, hidden.dtype)
                 spec = WeightSpec(weight.shape, weight.dtype, weight.device)
                 g = grad.out.to(weight.dtype)
-                res.grad_weight_later = GradWeightLater(g, hidden, sum_dtype, self.plan.overwrite_first, spec)
+                res.grad_weight_later = GradWeightLater(g, h, sum_dtype, self.plan.overwrite_first, spec)
             del made, logits, grad, grads  # before grad_W is made from its sum, as run_chunks
         res.grad_weight = grad_weight if grad_sum is None else grad_sum.to(weight.dtype)
         return res
+
+
+def _into_every_row(kept: Tensor, n_rows: int, *walked_rows: Tensor) -> tuple[Tensor, ...]:
+    """Each walked-rows vector scattered into zeros of every row (``chunks._set_losses``)."""
+    return tuple(
+        torch.zeros(n_rows, dtype=t.dtype, device=t.device).index_copy_(0, kept, t) for t in walked_rows
+    )
+
+
+def _one_chunk_plan(call: ChunkCall, grad_weight: bool, walk: Tensor | None) -> ChunkPlan | None:
+    """``run_chunks``' plan of ``call`` walking every row (``walk`` ``None``) or as many kept rows
+    as ``walk`` has, with the budget it would get for them; ``None`` where it is not one chunk of
+    one pass, or puts the weight's copy in grad_W. The rows per chunk are left out: any walked
+    count fits (``test_one_chunk`` compares the plans of every count)."""
+    sized = dataclasses.replace(call, budget_bytes=budget_bytes(call, walk))
+    plan, index = plan_for(sized, grad_weight, walk)
+    walking = call.inputs.hidden.shape[0] if walk is None else walk.shape[0]
+    if (
+        plan.two_pass
+        or plan.weight_in_grad_weight
+        or plan.rows < walking
+        or (walk is not None) != (index is not None)
+    ):
+        return None
+    return dataclasses.replace(plan, rows=0)
 
 
 _PLANS: OrderedDict[tuple, OneChunk | object | None] = OrderedDict()

@@ -260,7 +260,7 @@ def _checked_forward(
         call = _forward_call(opts, backend, args, pending.labels, cw)
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
-    key = one_chunk.signature(args, opts, backend) if head is None and checked.kept_rows is None else None
+    key = one_chunk.signature(args, opts, backend, checked.kept_rows) if head is None else None
     plan = one_chunk.planned(key, backend)
     if plan is None:
         call = _forward_call(opts, backend, args, pending.labels, cw) if call is None else call
@@ -271,7 +271,9 @@ def _checked_forward(
             one_chunk.learn(key, call)
     if plan is not None:  # the common small call: its launches alone
         coef = checked.row_weight if plan.wanted.any() else None
-        res = plan.run(hidden, weight, checked.labels, coef, opts, leave_weight=later is not None)
+        res = plan.run(
+            hidden, weight, checked.labels, coef, opts, kept=checked.kept_rows, leave_weight=later is not None
+        )
         if res.grad_weight_later is not None:
             later.leave(_GRAD_WEIGHT, res.grad_weight_later)
         return tuple(_forward_outputs(opts, NO_OUTPUTS, res, checked, empties))

@@ -112,6 +112,118 @@ def test_planned_calls_give_the_chunk_loops_bits(monkeypatch, gen, device, optio
         assert len(runs) == (1 if planned else 0)
 
 
+# A forward that reads its label check first and walks its kept rows without a head start: on
+# the CPU every forward reads first; on CUDA ``wait_to_skip_gflop=0`` makes every one wait.
+KEPT = {"wait_to_skip_gflop": 0.0, "head_start_gflop": 0.0}
+
+
+def _run_tuned(case, plans: bool, tuning: dict, **opts):
+    """``_run`` with more ``Tuning`` fields (no graphs)."""
+    for t in case.grad_leaves().values():
+        t.grad = None
+    out = call_op(case, tuning=Tuning(call_plans=plans, call_graphs=False, **tuning), **opts)
+    outs = out if isinstance(out, tuple) else (out,)
+    if outs[0].requires_grad:
+        (outs[0].sum() * 1.3).backward()
+    grads = tuple(t.grad.clone() for t in case.grad_leaves().values() if t.grad is not None)
+    return tuple(o.detach().clone() for o in outs), grads
+
+
+def _relabel(case, gen, n_kept: int) -> None:
+    """New values and labels in ``case``'s own tensors, exactly ``n_kept`` of them kept, at random
+    positions."""
+    fresh_values(case, gen)
+    n = case.labels.numel()
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[torch.randperm(n, generator=gen)[:n_kept]] = True
+    fresh = torch.randint(0, case.weight.shape[0], (n,), generator=gen)
+    case.labels.copy_(
+        torch.where(kept, fresh, case.ignore_index).view(case.labels.shape).to(case.labels.device)
+    )
+
+
+KEPT_CASES = [
+    ("plain", "both"),
+    ("plain", "hidden"),
+    ("plain", "weight"),
+    ("none", "both"),
+    ("z_loss", "both"),
+]
+KEPT_CASES += [("num_items_tensor", "both")]
+
+
+@pytest.mark.parametrize("option, needs", KEPT_CASES)
+def test_a_kept_rows_plan_serves_any_kept_count_with_the_chunk_loops_bits(
+    monkeypatch, gen, device, option, needs
+):
+    """A forward walking its kept rows is planned once, and the plan then serves calls of its
+    signature whatever their number of kept rows, from one to all but two, and gives
+    ``run_chunks``' bits: ce, lse and grad_h scattered into zeros for the ignored rows."""
+    runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
+    made = record_calls(monkeypatch, one_chunk.OneChunk, "of", lambda args, kwargs, plan: plan is not None)
+    for dtype in _dtypes(device):
+        planned = device.type == "cpu" or dtype != torch.float32
+        case = make_case(
+            gen, (N,), H, V, dtype=dtype, device=device, ignore="half", requires_grad=NEEDS[needs]
+        )
+        opts = materialize_options(OPTIONS[option], device)
+        runs.clear(), made.clear()
+        for n_kept in (N // 2, N // 2, 1, N - 2, 5):  # (N - 1 kept: too few ignored to skip)
+            _relabel(case, gen, n_kept)
+            _assert_same_bits(_run_tuned(case, True, KEPT, **opts), _run_tuned(case, False, KEPT, **opts))
+        assert len(runs) == (3 if planned else 0), (dtype, len(runs))  # seen, planned, then run
+        assert made.count(True) == (1 if planned else 0)
+        assert all(kwargs["kept"] is not None for _, kwargs, _ in runs)
+
+
+FEW_ROWS = 8 * V * 4 + 40 * N + (2 << 20)  # a budget of a few logits rows: several chunks
+
+
+@pytest.mark.parametrize("budget", ["batch", "512MiB", "lean", FEW_ROWS, None])
+def test_where_every_row_is_one_chunk_so_is_every_kept_count(monkeypatch, gen, device, budget):
+    """What a plan for kept rows rests on: where ``run_chunks`` would walk every row as one chunk,
+    it walks any smaller number of kept rows as one chunk with the same decisions, under a
+    budget in bytes and one sized by the batch (a budget of a few rows fits no walk of every
+    row: then no plan is made, ``OneChunk.of``)."""
+    calls = record_calls(monkeypatch, one_chunk.OneChunk, "of", lambda args, kwargs, plan: args[0])
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="half")
+    opts = {} if budget is None else {"memory_budget": budget}
+    for _ in range(2):
+        _run_tuned(case, True, KEPT, **opts)
+    (call,) = calls
+    grad_weight = call.computes_grads and call.wanted.weight
+    whole = one_chunk._one_chunk_plan(call, grad_weight, call.labels)
+    assert (whole is None) == (budget == FEW_ROWS)
+    if whole is not None:
+        for n in range(1, N + 1):
+            assert one_chunk._one_chunk_plan(call, grad_weight, call.labels[:n]) == whole, n
+
+
+def test_no_kept_rows_plan_where_some_count_would_take_two_chunks(monkeypatch, gen, device):
+    """A plan for kept rows is made only where one kept row and every row would both be one chunk:
+    chunks of ``N - 1`` rows hold any walk but every row's, so no plan, and every call gives
+    ``run_chunks``' bits; nor for a call that keeps no row (nothing to walk)."""
+    runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="half")
+    for tuning in ({**KEPT, "chunk_rows": N - 1}, KEPT):
+        for n_kept in (N // 2, N // 2, N - 1) if "chunk_rows" in tuning else (0, 0, 0):
+            _relabel(case, gen, n_kept)
+            _assert_same_bits(_run_tuned(case, True, tuning), _run_tuned(case, False, tuning))
+    assert not runs
+
+
+def test_a_kept_rows_plan_follows_a_budget_sized_by_the_batch(monkeypatch, gen, device):
+    """``memory_budget="batch"`` sizes the budget by the rows walked: the plan made at one count
+    serves the others with ``run_chunks``' bits."""
+    runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
+    case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="half")
+    for n_kept in (3, 3, N - 2, 1):
+        _relabel(case, gen, n_kept)
+        planned = _run_tuned(case, True, KEPT, memory_budget="batch")
+        _assert_same_bits(planned, _run_tuned(case, False, KEPT, memory_budget="batch"))
+    assert len(runs) == 2
+
+
 def _variant(case, gen, **tensors):
     """A case with ``case``'s labels and the given tensors (the others ``case``'s)."""
     other = make_case(gen, (N,), H, V, dtype=case.hidden.dtype, device=case.hidden.device, ignore="none")
@@ -155,7 +267,7 @@ def test_a_changed_signature_is_planned_again(monkeypatch, gen, device):
     check(_variant(case, gen, weight=case.weight.detach().t().contiguous().t().requires_grad_()), 0)
 
     # A budget of a few logits rows from the environment: several chunks, so no plan.
-    monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(8 * V * 4 + 40 * N + (2 << 20)))
+    monkeypatch.setenv("LIGER_MEMORY_BUDGET", str(FEW_ROWS))
     chunk_runs.clear()
     check(case, 0)
     assert len(chunk_runs) == 4
