@@ -182,7 +182,8 @@ class OneChunk:
         if wanted.weight and not later:
             grad_weight, grad_sum = grad_weight_buffers(self.plan, weight, hidden.dtype)
         chunk = Chunk(0, hidden.shape[0] if kept is None else kept.shape[0], kept)
-        labels, coef = walked(labels, kept), walked(coef, kept)
+        if kept is not None:
+            labels, coef = walked(labels, kept), walked(coef, kept)
         with autocast_off(hidden.device.type):
             h = hidden if kept is None else chunk.take(hidden)
             logits = torch.empty(h.shape[0], weight.shape[0], dtype=self.logits_dtype, device=h.device)

@@ -256,7 +256,8 @@ def _checked_forward(
     storage). ``cw``: the class weights' record, where ``args`` has them."""
     hidden, weight = args.hidden, args.weight
     call, head, budget_all = None, None, None
-    if expects_skip(pending, opts.tuning) and not arrived_ahead(pending):  # computed while the host waits
+    starts_head = opts.tuning.head_start_gflop > 0 and expects_skip(pending, opts.tuning)
+    if starts_head and not arrived_ahead(pending):  # computed while the host waits
         call = _forward_call(opts, backend, args, pending.labels, cw)
         head, budget_all = _begin_head(call, pending.keep)
     checked = finish_label_check(pending, opts.tuning)
