@@ -10,6 +10,12 @@ times, and prints the medians; the parent prints
 each tree's median over rounds, the difference, and the median of the rounds' differences (a
 round runs both trees back to back), and appends one JSON line per shape to ``--out``.
 
+With ``--ahead`` a process measures instead, at each shape, one forward + backward whose label
+check was begun ahead (``check_labels_ahead``, as a patched model begins it before its body)
+with the GPU caught up (a sync, then 3 ms of host time standing for the body): a host-bound
+step's head, where a forward that skips its ignored rows reads that check at once. The keys
+"N,H,V ahead" (host ms) and "N,H,V ahead cpu" (the thread's CPU ms over the same span).
+
     git worktree add /tmp/before HEAD~1
     python benchmarks/experiments/tree_host_ab.py --trees /tmp/before . --out results/x.jsonl
 """
@@ -52,6 +58,44 @@ def measure(shapes: list[str], reps: int, graphs: bool) -> dict[str, float]:
     return result
 
 
+def measure_ahead(shapes: list[str], reps: int) -> dict[str, float]:
+    """In the child, with ``--ahead``: median host and CPU ms per shape of a call whose check was
+    begun ahead, the GPU idle (see the module doc)."""
+    import time
+
+    import torch
+    from common import make_inputs
+    from host_bound import LOGIT_STD
+
+    import liger_patch as lp
+    from liger_patch.ops.core import deferred_checks, early_checks
+    from liger_patch.ops.cross_entropy.functional import check_labels_ahead
+
+    def call(hidden, weight, labels) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        key = check_labels_ahead(labels, weight.shape[0])
+        time.sleep(0.003)
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        lp.fused_linear_cross_entropy(hidden, weight, labels).backward()
+        times = (1e3 * (time.perf_counter() - start), 1e3 * (time.thread_time() - start_cpu))
+        early_checks.drop(key)
+        hidden.grad = weight.grad = None
+        return times
+
+    result = {}
+    for shape in shapes:
+        n, h, v = map(int, shape.split(","))
+        hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, ignore_frac=0.25, logit_std=LOGIT_STD)
+        for _ in range(8):
+            call(hidden, weight, labels)
+        host, cpu = zip(*(call(hidden, weight, labels) for _ in range(reps)), strict=True)
+        torch.cuda.synchronize()
+        deferred_checks.raise_pending()
+        result[f"{shape} ahead"] = statistics.median(host)
+        result[f"{shape} ahead cpu"] = statistics.median(cpu)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs=2, help="two folders holding liger_patch/ (required)")
@@ -61,21 +105,27 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="JSON lines, one per shape")
     parser.add_argument("--call-graphs", action="store_true", help="both trees with Tuning(call_graphs=True)")
+    parser.add_argument("--ahead", action="store_true", help="a call whose check was begun ahead, GPU idle")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.shapes, args.reps, args.call_graphs)))
+        shapes, reps = args.shapes, args.reps
+        print(
+            json.dumps(measure_ahead(shapes, reps) if args.ahead else measure(shapes, reps, args.call_graphs))
+        )
         return 0
     if args.trees is None:
         parser.error("--trees A B is required")
     trees = [str(Path(t).resolve()) for t in args.trees]
-    keys = [key for s in args.shapes for key in (s, f"{s} steady")]
+    kinds = (" ahead", " ahead cpu") if args.ahead else ("", " steady")
+    keys = [f"{s}{kind}" for s in args.shapes for kind in kinds]
     runs: dict[str, dict[str, list[float]]] = {t: {k: [] for k in keys} for t in trees}
     for r in range(args.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
             cmd = [sys.executable, __file__, "--child", "--reps", str(args.reps), "--shapes", *args.shapes]
             cmd += ["--call-graphs"] if args.call_graphs else []
+            cmd += ["--ahead"] if args.ahead else []
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode:
                 sys.exit(f"{tree}: the measuring process failed:\n{done.stderr[-3000:]}")
