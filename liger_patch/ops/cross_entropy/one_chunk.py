@@ -21,9 +21,8 @@ A forward that walks only its kept rows (it read its label check first to skip t
 ones: a patched model's larger heads, whose check was begun before the body) has a plan of its
 own, made where ``run_chunks`` would walk every row as one chunk, and so any number of kept
 rows with the same decisions (``OneChunk.of``); its calls gather the kept rows and scatter their
-results as ``run_chunks`` does, whatever their count. Without it that path
-cost a host-bound step about 0.7 ms of host time more than a planned call (docs/perf-notes.md
-item 83).
+results as ``run_chunks`` does, whatever their count. Without it that path cost a host-bound
+step up to 0.7 ms of host time more than a planned call (docs/perf-notes.md item 84).
 """
 
 from __future__ import annotations
