@@ -203,7 +203,8 @@ class OneChunk:
                 spec = WeightSpec(weight.shape, weight.dtype, weight.device)
                 g = grad.out.to(weight.dtype)
                 res.grad_weight_later = GradWeightLater(g, h, sum_dtype, self.plan.overwrite_first, spec)
-            del made, logits, grad, grads  # before grad_W is made from its sum, as run_chunks
+            # Before grad_W is made from its sum, as in run_chunks; ``h`` may be the kept rows' copy.
+            del made, logits, grad, grads, h
         res.grad_weight = grad_weight if grad_sum is None else grad_sum.to(weight.dtype)
         return res
 

@@ -200,8 +200,8 @@ def test_where_every_row_is_one_chunk_so_is_every_kept_count(monkeypatch, gen, d
 
 
 def test_no_kept_rows_plan_where_some_count_would_take_two_chunks(monkeypatch, gen, device):
-    """A plan for kept rows is made only where one kept row and every row would both be one chunk:
-    chunks of ``N - 1`` rows hold any walk but every row's, so no plan, and every call gives
+    """A plan for kept rows is made only where a walk of every row would be one chunk: chunks of
+    ``N - 1`` rows hold any walk but every row's, so no plan, and every call gives
     ``run_chunks``' bits; nor for a call that keeps no row (nothing to walk)."""
     runs = record_calls(monkeypatch, one_chunk.OneChunk, "run")
     case = make_case(gen, (N,), H, V, dtype=_dtypes(device)[0], device=device, ignore="half")
