@@ -5,7 +5,9 @@
 tokens while Llama-3.2-1B-shaped ones were at 0.88-0.99x (at 5aa9d5c). One steady step is split into phases
 timed on the host with no synchronisation inside the step (the forward, ``loss.backward()``, the
 optimizer's step with ``zero_grad``), then synchronised: the host ms of each phase, the step's
-wall ms, and the ms the host waited at the end for the GPU (wall minus the phases). A step whose
+wall ms, and the ms the host waited at the end for the GPU (wall minus the phases); and in each
+phase the CPU ms of the main thread and of the whole process (the backward's host work runs on
+the autograd engine's device thread: only the process's CPU time sees it). A step whose
 final wait is near zero is bound by the host: its wall time is the sum of its phases. Then, per
 variant and after an untimed step in it, one step under ``torch.profiler``: the GPU's busy ms
 (kernels summed), the host's waits inside CUDA calls, and the kernel count; and one more with
@@ -40,21 +42,34 @@ from host_bound import GPU_PLAN, LR, build_model, make_batch, ours_applied, trai
 PHASES = ("forward", "backward", "optimizer")
 
 
+def _clocks() -> tuple[float, float, float]:
+    """Wall time, the main thread's CPU time and the process's CPU time over all its threads."""
+    return time.perf_counter(), time.thread_time(), time.process_time()
+
+
 def _phased_step(model, opt, batch) -> dict[str, float]:
-    """One step from a synchronised start: each phase's host ms, the wall ms, the final wait."""
+    """One step from a synchronised start: each phase's host ms, the main thread's CPU ms in it
+    (``<phase>_main_cpu``) and the whole process's (``<phase>_process_cpu``), then the wall ms.
+    On CUDA the autograd engine runs the backward on a thread of its own while the calling thread
+    waits, so the backward's host work shows in the process's CPU time only."""
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    marks = [_clocks()]
     out = model(**batch)
-    t1 = time.perf_counter()
+    marks.append(_clocks())
     out.loss.backward()
-    t2 = time.perf_counter()
+    marks.append(_clocks())
     opt.step()
     opt.zero_grad(set_to_none=True)
-    t3 = time.perf_counter()
+    marks.append(_clocks())
     torch.cuda.synchronize()
-    t4 = time.perf_counter()
-    ms = [1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t0, t4))]
-    return dict(zip((*PHASES, "final_wait", "wall"), ms, strict=True))
+    marks.append(_clocks())
+    found = {}
+    for name, a, b in zip((*PHASES, "final_wait"), marks, marks[1:], strict=False):
+        found[name] = 1e3 * (b[0] - a[0])
+        found[f"{name}_main_cpu"] = 1e3 * (b[1] - a[1])
+        found[f"{name}_process_cpu"] = 1e3 * (b[2] - a[2])
+    found["wall"] = 1e3 * (marks[-1][0] - marks[0][0])
+    return found
 
 
 def _host_self_ms(model, opt, batch) -> collections.Counter:
@@ -134,7 +149,7 @@ def _row(model, opt, tokens: int, ignored: float, args) -> dict:
     row["host_self_ms"] = {kind: round(sum(found.values()), 3) for kind, found in host.items()}
     row["host_self_ms_largest_differences"] = _largest_differences(host["unpatched"], host["patched"])
     row["patched_minus_unpatched_ms"] = {
-        key: row["patched"][key] - row["unpatched"][key] for key in (*PHASES, "final_wait", "wall")
+        key: row["patched"][key] - row["unpatched"][key] for key in steps["patched"][0]
     }
     return row
 
