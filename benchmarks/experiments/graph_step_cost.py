@@ -13,8 +13,10 @@ of it ignored), three variants: unpatched, patched, and patched with
   against unpatched with a 95 % bootstrap interval of that median (so that a row says whether
   its difference is resolved), and the same for the host ms of a step (from its start to the
   return of ``opt.zero_grad``, before the final sync) and for the main thread's CPU ms over that
-  span (``time.thread_time``: what the host computed, without the time it was not scheduled or
-  waited). Every round's figures are kept in the row. The graphs of the graphs variant stay made
+  span (``time.thread_time``: what that thread computed; on CUDA the autograd engine runs the
+  backward on a thread of its own while the main thread waits, so this is the forward's and the
+  optimizer's host work, not the backward's: ``step_host_phases.py`` splits the process's CPU
+  time by phase). Every round's figures are kept in the row. The graphs of the graphs variant stay made
   while the others run.
 * Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
   graph is made) and then three with the peak statistics reset: the peak allocated and reserved
