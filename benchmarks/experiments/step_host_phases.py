@@ -64,7 +64,7 @@ def _phased_step(model, opt, batch) -> dict[str, float]:
     torch.cuda.synchronize()
     marks.append(_clocks())
     found = {}
-    for name, a, b in zip((*PHASES, "final_wait"), marks, marks[1:], strict=False):
+    for name, a, b in zip((*PHASES, "final_wait"), marks[:-1], marks[1:], strict=True):
         found[name] = 1e3 * (b[0] - a[0])
         found[f"{name}_main_cpu"] = 1e3 * (b[1] - a[1])
         found[f"{name}_process_cpu"] = 1e3 * (b[2] - a[2])
