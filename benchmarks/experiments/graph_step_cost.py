@@ -16,8 +16,8 @@ of it ignored), three variants: unpatched, patched, and patched with
   span (``time.thread_time``: what that thread computed; on CUDA the autograd engine runs the
   backward on a thread of its own while the main thread waits, so this is the forward's and the
   optimizer's host work, not the backward's: ``step_host_phases.py`` splits the process's CPU
-  time by phase). Every round's figures are kept in the row. The graphs of the graphs variant stay made
-  while the others run.
+  time by phase). Every round's figures are kept in the row. The graphs of the graphs variant
+  stay made while the others run.
 * Memory: then each variant alone, from no graph and an emptied cache, four steps (so that a
   graph is made) and then three with the peak statistics reset: the peak allocated and reserved
   GiB of those three, and for the graphs variant how many graphs were kept and replays run.
